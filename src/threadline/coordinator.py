@@ -1,0 +1,127 @@
+"""Process-local lanes: one per conversation, running its queued runs one at a time in durable order.
+
+A lane releases a run only after its terminal committed, so a successor never starts while its
+predecessor still owns managed callbacks; a hung predecessor blocks its lane (by design). Input policies
+act on the lane's executing run: ``interrupt``/``interrupt-next`` abort it as ``interrupted``,
+``supersede`` as ``superseded``, ``inject`` offers the new input's queued run to join at the next step
+boundary, ``queue`` leaves it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .loop import RunControl
+
+if TYPE_CHECKING:
+    from .runtime import AgentRuntime
+
+INPUT_POLICIES = ("queue", "inject", "interrupt", "interrupt-next", "supersede")
+_ABORT_REASON = {"interrupt": "interrupted", "interrupt-next": "interrupted", "supersede": "superseded"}
+
+
+@dataclass
+class Lane:
+    """The process-local execution lane of one conversation."""
+
+    runtime: AgentRuntime
+    conversation_id: str
+    control: RunControl | None = None
+    contexts: dict[str, Any] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    blocked_on: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def wake(self) -> None:
+        """Make sure the lane worker runs (it exits when nothing it can run is queued)."""
+        if not self.busy and not self.runtime.closing:
+            self.task = asyncio.get_running_loop().create_task(
+                self._work(), name=f"threadline-lane-{self.conversation_id}"
+            )
+
+    def apply_policy(self, policy: str, run_id: str) -> None:
+        """Apply an admitted input's policy to the run this lane is executing (if any)."""
+        control = self.control
+        if control is None or control.run_id == run_id:
+            return
+        if policy == "inject":
+            control.offer_injection(run_id)
+        elif policy in _ABORT_REASON:
+            control.abort(_ABORT_REASON[policy])
+
+    async def _work(self) -> None:
+        runtime = self.runtime
+        while not runtime.closing:
+            active = await runtime.retry_store(
+                lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id)
+            )
+            if not active.runs:
+                return
+            head = active.runs[0]
+            if head.acquired or head.id not in self.contexts:
+                # another executor holds it, or an orphan from an earlier process: recovery decides
+                self.blocked_on = head.id
+                return
+            self.blocked_on = None
+            proceed = await runtime.execute(self, head, self.contexts[head.id])
+            self.contexts.pop(head.id, None)
+            if not proceed:
+                return
+
+
+@dataclass
+class Waiters:
+    """Futures waiting for runs: ``result`` per run id, ``acquired`` per run id."""
+
+    results: dict[str, list[asyncio.Future[Any]]] = field(default_factory=dict)
+    acquired: dict[str, list[asyncio.Future[Any]]] = field(default_factory=dict)
+
+    def add_result(self, run_id: str, future: asyncio.Future[Any]) -> None:
+        self.results.setdefault(run_id, []).append(future)
+
+    def add_acquired(self, run_id: str, future: asyncio.Future[Any]) -> None:
+        self.acquired.setdefault(run_id, []).append(future)
+
+    @staticmethod
+    def _settle(futures: list[asyncio.Future[Any]], value: Any = None, error: BaseException | None = None) -> None:
+        for future in futures:
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+    def resolve(self, run_id: str, value: Any) -> None:
+        self._settle(self.results.pop(run_id, []), value)
+        self._settle(self.acquired.pop(run_id, []), error=RuntimeError(f"run {run_id} ended before it was acquired"))
+
+    def reject(self, run_id: str, error: BaseException) -> None:
+        self._settle(self.results.pop(run_id, []), error=error)
+        self._settle(self.acquired.pop(run_id, []), error=error)
+
+    def mark_acquired(self, run_id: str, value: Any) -> None:
+        self._settle(self.acquired.pop(run_id, []), value)
+
+    def reject_all(self, error_for: Callable[[str], BaseException], keep: Collection[str] = ()) -> None:
+        for run_id in {*self.results, *self.acquired} - set(keep):
+            self.reject(run_id, error_for(run_id))
+
+
+def quiet(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """Mark a future's exception retrieved, so an unawaited ticket field never logs a warning."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
+    value = fn(*args)
+    if isinstance(value, Awaitable):
+        value = await value
+    return value

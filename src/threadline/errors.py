@@ -1,0 +1,176 @@
+"""Every error threadline raises.
+
+Failures are classified by exception type, never by message text. The tree::
+
+    ThreadlineError
+    ├── AgentRuntimeUsageError            the application called threadline wrongly
+    │   └── AgentRecordValidationError    a record or argument failed validation
+    ├── AgentRecordSchemaVersionError     a stored record carries an unknown schema_version
+    ├── AgentStoreError                   the store could not do what was asked
+    │   ├── AgentStoreConflictError       a compare-and-swap lost: nothing was written
+    │   │   ├── AgentRunRevisionConflictError     expected run revision is stale
+    │   │   ├── AgentRunOwnershipConflictError    owner or fencing token is stale
+    │   │   ├── AgentRunStateConflictError        the run is not in a state that allows this
+    │   │   ├── AgentRunOrderConflictError        another run must go first
+    │   │   └── AgentIdempotencyConflictError     a key or input id reused for different input
+    │   ├── AgentRecordNotFoundError      an unknown conversation, run or message id
+    │   ├── AgentConversationPurgedError  the conversation was purged; it accepts no mutation
+    │   ├── AgentStoreBusyError           another connection holds the write lock; retry
+    │   ├── AgentStoreUnavailableError    the database cannot be reached or was closed
+    │   ├── AgentStoreSchemaError         the database schema is unknown, partial or unsupported
+    │   └── AgentStoreCorruptRecordError  a stored row is malformed or foreign
+    ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
+    └── AgentContextOverflowError         a prepared step cannot fit the model window
+
+Every store error guarantees that nothing was written by the failing call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = (
+    "AgentContextOverflowError",
+    "AgentConversationPurgedError",
+    "AgentIdempotencyConflictError",
+    "AgentRecordNotFoundError",
+    "AgentRecordSchemaVersionError",
+    "AgentRecordValidationError",
+    "AgentRunOrderConflictError",
+    "AgentRunOwnershipConflictError",
+    "AgentRunRevisionConflictError",
+    "AgentRunStateConflictError",
+    "AgentRunUnsettledError",
+    "AgentRuntimeUsageError",
+    "AgentStoreBusyError",
+    "AgentStoreConflictError",
+    "AgentStoreCorruptRecordError",
+    "AgentStoreError",
+    "AgentStoreSchemaError",
+    "AgentStoreUnavailableError",
+    "ThreadlineError",
+)
+
+
+class ThreadlineError(Exception):
+    """Base class of every error threadline raises on purpose."""
+
+
+class AgentRuntimeUsageError(ThreadlineError):
+    """The application called threadline in a way it does not support; the message names the fix."""
+
+
+class AgentRecordValidationError(AgentRuntimeUsageError):
+    """A record or argument is invalid. ``field`` names where, when known."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class AgentRecordSchemaVersionError(ThreadlineError):
+    """A stored record was written by a newer (or unknown) schema; it is refused, not guessed at."""
+
+    def __init__(self, record: str, version: object, supported: int) -> None:
+        super().__init__(
+            f"{record} has schema_version {version!r}; this threadline reads schema_version {supported}. "
+            "Upgrade threadline to read this database."
+        )
+        self.record = record
+        self.version = version
+        self.supported = supported
+
+
+class AgentStoreError(ThreadlineError):
+    """The store could not complete an operation. Nothing from that call was written."""
+
+
+class AgentStoreConflictError(AgentStoreError):
+    """A compare-and-swap lost. Nothing was written; reload and decide again.
+
+    Attributes carry what the store saw: ``conversation_id``, ``run_id`` (when a run was involved),
+    ``actual_revision``/``actual_version`` and the current ``run`` record when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        conversation_id: str,
+        run_id: str | None = None,
+        actual_revision: int | None = None,
+        actual_version: int | None = None,
+        run: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.conversation_id = conversation_id
+        self.run_id = run_id
+        self.actual_revision = actual_revision
+        self.actual_version = actual_version
+        self.run = run
+
+
+class AgentRunRevisionConflictError(AgentStoreConflictError):
+    """The run moved since the caller read it (its revision differs from the expected one)."""
+
+
+class AgentRunOwnershipConflictError(AgentStoreConflictError):
+    """The caller no longer owns the run: another owner or a higher fencing token holds it."""
+
+
+class AgentRunStateConflictError(AgentStoreConflictError):
+    """The run's state does not allow the operation (for example acquiring a run that is not queued)."""
+
+
+class AgentRunOrderConflictError(AgentStoreConflictError):
+    """Another run of the conversation must be acquired or settle first."""
+
+
+class AgentIdempotencyConflictError(AgentStoreConflictError):
+    """An idempotency key, input message id or seed key was reused with different content."""
+
+
+class AgentRecordNotFoundError(AgentStoreError):
+    """An id names no record: unknown conversation, run or message."""
+
+
+class AgentConversationPurgedError(AgentStoreError):
+    """The conversation was purged. Every mutation is refused for ever; new chats need a new id."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id!r} was purged; use a new conversation id")
+        self.conversation_id = conversation_id
+
+
+class AgentStoreBusyError(AgentStoreError):
+    """Another connection holds the database write lock. Nothing was written; the call may be retried."""
+
+
+class AgentStoreUnavailableError(AgentStoreError):
+    """The database cannot be reached, or the store handle was closed."""
+
+
+class AgentStoreSchemaError(AgentStoreError):
+    """The database schema is from an unknown version, partial, or the engine lacks a required feature."""
+
+
+class AgentStoreCorruptRecordError(AgentStoreError):
+    """A stored row cannot be read as a threadline record; ``where`` names the table and key."""
+
+    def __init__(self, message: str, *, where: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+
+
+class AgentRunUnsettledError(ThreadlineError):
+    """A run could not be settled in this process. ``run`` is the record as last read (the store may be
+    ahead of it) and ``owner_id`` the owner this runtime used."""
+
+    def __init__(self, message: str, *, run: Any, owner_id: str | None) -> None:
+        super().__init__(message)
+        self.run = run
+        self.owner_id = owner_id
+
+
+class AgentContextOverflowError(ThreadlineError):
+    """A prepared step cannot fit the selected model's context window; the run ends ``context_overflow``."""

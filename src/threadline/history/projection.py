@@ -1,0 +1,386 @@
+"""Project canonical :class:`~threadline.records.Message` records onto pydantic-ai ``ModelMessage`` s.
+
+The input is a conversation's messages in causal order (``ConversationSnapshot.messages``). The output
+is always valid for pydantic-ai's provider adapters: it alternates request/response, starts with a
+``ModelRequest``, answers every ``ToolCallPart`` exactly once in the immediately following request, has
+no orphan ``ToolReturnPart`` and no duplicate call id.
+
+What is never sent to a model as a message:
+
+- compacted (inactive) messages; their summary reaches the model through the system channel;
+- ``system`` and ``summary`` messages: their text is returned in ``AgentHistoryProjection.system``, to be
+  delivered as instructions;
+- superseded assistants (none of their text, anywhere), crash drafts (``streaming``) and failed
+  assistants unless the evidence policy asks for them, clearly marked;
+- source, provider, approval and control parts, files an assistant produced, and reasoning produced by
+  a provider other than ``options.provider_name``;
+- a file reference itself: only what ``resolve_file`` returns, or a ``[file: name]`` placeholder;
+- tool calls nobody answered, results without a call, and repeated call ids;
+- ``tool`` role messages (approval responses; not projected yet).
+
+Every message gets one :class:`AgentProjectionDecision` saying what happened to it and why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart as AiTextPart,
+    ThinkingPart,
+    ToolCallPart as AiToolCallPart,
+    ToolReturnPart,
+    UserContent,
+    UserPromptPart,
+)
+
+from ..errors import AgentRecordValidationError, ThreadlineError
+from ..records import FilePart, Message, ReasoningPart, ToolCallPart, ToolResultPart
+
+__all__ = (
+    "FAILED_MARKER",
+    "INTERRUPTED_MARKER",
+    "AgentHistoryEvidencePolicy",
+    "AgentHistoryProjection",
+    "AgentHistoryProjectionError",
+    "AgentHistoryProjectionOptions",
+    "AgentProjectionDecision",
+    "project_agent_history",
+    "project_agent_history_detailed",
+)
+
+INTERRUPTED_MARKER = "[interrupted: this turn was cut off before it finished]"
+FAILED_MARKER = "[failed: partial evidence from a run that did not complete successfully]"
+
+
+class AgentHistoryProjectionError(ThreadlineError):
+    """The history cannot be projected under the chosen options: a broken tool chronology with
+    ``incomplete_tool_turn='error'``, or a file that could not be resolved with ``unresolved_file='error'``."""
+
+    def __init__(self, message: str, *, message_id: str) -> None:
+        super().__init__(message)
+        self.message_id = message_id
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AgentHistoryEvidencePolicy(_Options):
+    failed_assistant: Literal["omit", "assistant-marked"] = "omit"
+    """``assistant-marked`` projects a failed run's partial content followed by :data:`FAILED_MARKER`."""
+
+
+class AgentHistoryProjectionOptions(_Options):
+    interrupted_assistant: Literal["assistant-marked", "system-note", "omit"] = "assistant-marked"
+    evidence_policy: AgentHistoryEvidencePolicy = AgentHistoryEvidencePolicy()
+    incomplete_tool_turn: Literal["drop", "error"] = "drop"
+    unresolved_file: Literal["omit", "text", "error"] = "omit"
+    resolve_file: Callable[[FilePart], UserContent | None] | None = None
+    """Turns a file reference into content a model can read; ``None`` from it means unresolved."""
+    provider_name: str | None = None
+    """Reasoning (and tool-call envelopes) is sent back only to the provider that produced it."""
+
+
+class AgentProjectionDecision(_Options):
+    message_id: str
+    action: Literal["projected", "omitted"]
+    reason: str
+    omitted_parts: list[str] = Field(default_factory=list)
+    """Part types the message holds that were not projected (control markers are never listed)."""
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentHistoryProjection:
+    messages: list[ModelMessage]
+    system: list[str]
+    """System-channel lines in order (summaries, system messages, interrupted notes): instructions."""
+    decisions: list[AgentProjectionDecision]
+    """One per input message, in input order."""
+
+
+def project_agent_history(
+    messages: Sequence[Message], options: AgentHistoryProjectionOptions | Mapping[str, Any] | None = None
+) -> list[ModelMessage]:
+    """The provider-valid ``ModelMessage`` list for ``messages``; see :func:`project_agent_history_detailed`."""
+    return project_agent_history_detailed(messages, options).messages
+
+
+def project_agent_history_detailed(
+    messages: Sequence[Message], options: AgentHistoryProjectionOptions | Mapping[str, Any] | None = None
+) -> AgentHistoryProjection:
+    """Project ``messages`` (causal order) and say, per message, what was sent and what was not."""
+    if options is None:
+        opts = AgentHistoryProjectionOptions()
+    elif isinstance(options, AgentHistoryProjectionOptions):
+        opts = options
+    else:
+        try:
+            opts = AgentHistoryProjectionOptions.model_validate(options)
+        except ValidationError as exc:
+            raise AgentRecordValidationError(f"invalid projection options: {exc}", field="options") from exc
+    return _Projector(messages, opts).run()
+
+
+# ------------------------------------------------------------------------------------------ internals
+
+_Kind = Literal["request", "response"]
+_STATUS_MARKER = {"interrupted": INTERRUPTED_MARKER, "failed": FAILED_MARKER}
+_PROJECTED_REASON = {"completed": "projected", "interrupted": "interrupted", "failed": "failed-evidence"}
+
+
+@dataclass
+class _Step:
+    """One model step of an assistant run: its response, then the request that answered it."""
+
+    response: list[Any] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)
+    returns: list[ToolReturnPart] = field(default_factory=list)
+    users: list[str] = field(default_factory=list)
+    closed: bool = False
+
+
+class _Projector:
+    def __init__(self, messages: Sequence[Message], options: AgentHistoryProjectionOptions) -> None:
+        self.messages = messages
+        self.opts = options
+        self.live = {m.id: m for m in messages if m.active}
+        self.blocks: list[tuple[_Kind, list[Any]]] = []
+        self.has_request = False
+        self.system: list[str] = []
+        self.decisions: dict[str, AgentProjectionDecision] = {}
+        self.call_ids: set[str] = set()
+        self.joined = self._claim_joined_inputs()
+
+    def _claim_joined_inputs(self) -> dict[str, set[str]]:
+        """User inputs each completed assistant absorbed at a step boundary (the first claim wins).
+
+        Only a completed run's terminal commit absorbs joined input (DESIGN §4); the marker on any other
+        assistant is ignored and the input stays where it is, an ordinary input."""
+        claimed: dict[str, set[str]] = {}
+        taken: set[str] = set()
+        for m in self.messages:
+            if not (m.active and m.role == "assistant" and m.status == "completed"):
+                continue
+            for part in m.parts:
+                if part.type != "input-joined":
+                    continue
+                for uid in part.message_ids:
+                    user = self.live.get(uid)
+                    if user is not None and user.role == "user" and uid not in taken:
+                        taken.add(uid)
+                        claimed.setdefault(m.id, set()).add(uid)
+        return claimed
+
+    def run(self) -> AgentHistoryProjection:
+        pulled = set().union(*self.joined.values()) if self.joined else set()
+        for m in self.messages:
+            if not m.active:
+                self._decide(m, "omitted", "compacted")
+            elif m.role == "user":
+                if m.id not in pulled:  # placed at its step boundary by the assistant that absorbed it
+                    self._user(m)
+            elif m.role in ("system", "summary"):
+                text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
+                if text:
+                    self.system.append(text)
+                    self._decide(m, "projected", "system-channel")
+                else:
+                    self._decide(m, "omitted", "empty")
+            elif m.role == "tool":
+                self._decide(m, "omitted", "tool-message", detail="approval responses are not projected yet")
+            else:
+                self._assistant(m)
+        order = [m.id for m in self.messages if m.id in self.decisions]
+        return AgentHistoryProjection(
+            messages=self._messages(), system=self.system, decisions=[self.decisions[i] for i in order]
+        )
+
+    def _decide(self, m: Message, action: str, reason: str, omitted: list[str] | None = None, **kw: Any) -> None:
+        self.decisions[m.id] = AgentProjectionDecision(
+            message_id=m.id, action=action, reason=reason, omitted_parts=omitted or [], **kw
+        )
+
+    def _emit(self, kind: _Kind, parts: list[Any]) -> None:
+        self.blocks.append((kind, parts))
+        self.has_request = self.has_request or kind == "request"
+
+    def _messages(self) -> list[ModelMessage]:
+        """Blocks to messages: adjacent requests merge; adjacent responses merge (neither holds an
+        unanswered call, since every kept call is followed by its returns)."""
+        merged: list[tuple[_Kind, list[Any]]] = []
+        for kind, parts in self.blocks:
+            if merged and merged[-1][0] == kind:
+                merged[-1][1].extend(parts)
+            else:
+                merged.append((kind, list(parts)))
+        return [ModelRequest(parts=p) if k == "request" else ModelResponse(parts=p) for k, p in merged]
+
+    # ------------------------------------------------------------------------------------- users
+
+    def _user(self, m: Message, detail: str | None = None) -> None:
+        items: list[UserContent] = []
+        omitted: list[str] = []
+        for part in m.parts:
+            if part.type == "text":
+                if part.text:
+                    items.append(part.text)
+            elif part.type == "file":
+                resolved = self.opts.resolve_file(part) if self.opts.resolve_file else None
+                if resolved is not None:
+                    items.append(resolved)
+                elif self.opts.unresolved_file == "text":
+                    items.append(f"[file: {part.filename or part.media_type}]")
+                elif self.opts.unresolved_file == "error":
+                    raise AgentHistoryProjectionError(
+                        f"user message {m.id!r}: file {part.reference!r} could not be resolved", message_id=m.id
+                    )
+                else:
+                    _note(omitted, "file")
+            elif part.type != "control":
+                _note(omitted, part.type)
+        if not items:
+            self._decide(m, "omitted", "empty", omitted, detail=detail)
+            return
+        content = "\n".join(items) if all(isinstance(i, str) for i in items) else items
+        self._emit("request", [UserPromptPart(content)])
+        self._decide(m, "projected", "projected", omitted, detail=detail)
+
+    # -------------------------------------------------------------------------------- assistants
+
+    def _assistant(self, m: Message) -> None:
+        status, opts = m.status, self.opts
+        joined = self.joined.get(m.id, set())
+        if status == "superseded":
+            return self._decide(m, "omitted", "superseded")
+        if status == "streaming":
+            return self._decide(m, "omitted", "crash-draft")
+        if status == "failed" and opts.evidence_policy.failed_assistant == "omit":
+            return self._decide(m, "omitted", "failed")
+        if status == "interrupted" and opts.interrupted_assistant == "omit":
+            return self._decide(m, "omitted", "interrupted-omitted")
+        if status == "interrupted" and opts.interrupted_assistant == "system-note":
+            text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
+            self.system.append(f"[interrupted] partial response: {text}")
+            return self._decide(m, "projected", "interrupted-system-note")
+        if not self.has_request:
+            self._decide(m, "omitted", "leading-assistant")
+            for uid in sorted(joined, key=lambda i: self.live[i].seq):
+                self._user(self.live[uid], detail=f"joined the omitted leading assistant {m.id}")
+            return None
+
+        steps, omitted, problems = self._steps(m, joined)
+        if problems and opts.incomplete_tool_turn == "error":
+            raise AgentHistoryProjectionError(f"assistant {m.id!r}: {'; '.join(problems)}", message_id=m.id)
+        marker = _STATUS_MARKER.get(status)
+        if marker:
+            last = steps[-1]
+            if last.returns or last.users:
+                steps.append(last := _Step())
+            last.response.append(AiTextPart(marker))
+
+        projected_any = False
+        for step in steps:
+            if step.response:
+                projected_any = True
+                self._emit("response", step.response)
+            if step.returns:
+                self._emit("request", step.returns)
+            for uid in step.users:
+                self._user(self.live[uid], detail=f"joined {m.id} at a step boundary")
+        if not projected_any:
+            return self._decide(m, "omitted", "empty", omitted)
+        reason = "unmatched-tool-chronology" if problems else _PROJECTED_REASON[status]
+        return self._decide(m, "projected", reason, omitted, detail="; ".join(problems) or None)
+
+    def _steps(self, m: Message, joined: set[str]) -> tuple[list[_Step], list[str], list[str]]:
+        """Split a run's parts into steps, pairing calls with results; drop what cannot be paired."""
+        steps = [_Step()]
+        omitted: list[str] = []
+        problems: list[str] = []
+        for part in m.parts:
+            step = steps[-1]
+            if part.type in ("text", "reasoning", "tool-call") and step.closed:
+                steps.append(step := _Step())
+            if part.type == "text":
+                if part.text:
+                    step.response.append(AiTextPart(part.text))
+            elif part.type == "reasoning":
+                thinking = self._thinking(part)
+                if thinking is None:
+                    _note(omitted, "reasoning")
+                else:
+                    step.response.append(thinking)
+            elif part.type == "tool-call":
+                if part.call_id in self.call_ids:
+                    problems.append(f"dropped duplicate call id {part.call_id!r}")
+                    continue
+                self.call_ids.add(part.call_id)
+                step.pending[part.call_id] = part.tool_name
+                step.response.append(self._call(part))
+            elif part.type == "tool-result":
+                step.closed = True
+                if step.pending.pop(part.call_id, None) is None:
+                    problems.append(f"dropped result {part.call_id!r} that answers no call of its step")
+                    continue
+                step.returns.append(_return(part))
+            elif part.type == "input-joined":
+                ids = [i for i in part.message_ids if i in joined and not any(i in s.users for s in steps)]
+                if ids:
+                    step.closed = True
+                    step.users.extend(ids)
+            elif part.type != "control":
+                _note(omitted, part.type)
+        for step in steps:
+            if not step.pending:
+                continue
+            if m.status == "completed":  # interrupted / failed evidence was cut off: dangling calls are expected
+                problems.append(f"dropped unanswered call(s) {sorted(step.pending)}")
+            step.response = [
+                p for p in step.response if not (isinstance(p, AiToolCallPart) and p.tool_call_id in step.pending)
+            ]
+        return steps, omitted, problems
+
+    def _thinking(self, part: ReasoningPart) -> ThinkingPart | None:
+        envelope = part.envelope
+        if envelope is None or self.opts.provider_name is None or envelope.provider != self.opts.provider_name:
+            return None
+        data = envelope.data if isinstance(envelope.data, dict) else {}
+        signature = data.get("signature")
+        return ThinkingPart(
+            part.text,
+            signature=signature if isinstance(signature, str) else None,
+            provider_name=envelope.provider,
+            provider_details=data or None,
+        )
+
+    def _call(self, part: ToolCallPart) -> AiToolCallPart:
+        args = part.input if part.input is None or isinstance(part.input, dict) else json.dumps(part.input)
+        envelope = part.envelope
+        own = envelope is not None and envelope.provider == self.opts.provider_name
+        details = envelope.data if own and isinstance(envelope.data, dict) else None
+        return AiToolCallPart(
+            part.tool_name,
+            args,
+            tool_call_id=part.call_id,
+            provider_name=envelope.provider if own else None,
+            provider_details=details,
+        )
+
+
+def _return(part: ToolResultPart) -> ToolReturnPart:
+    outcome = "failed" if part.outcome == "error" else "success"
+    return ToolReturnPart(part.tool_name, part.output, tool_call_id=part.call_id, outcome=outcome)
+
+
+def _note(omitted: list[str], part_type: str) -> None:
+    if part_type not in omitted:
+        omitted.append(part_type)

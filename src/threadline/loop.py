@@ -1,0 +1,693 @@
+"""The one step loop: every run, wherever it starts, executes here over pydantic-ai's ``Model.request_stream``.
+
+Per step: take injected inputs at the boundary → load the snapshot this run may see → project it →
+``prepare_step`` → durably record the ``model-request`` operation (a failed write prevents the call) →
+stream, publishing deltas and checkpointing every ``checkpoint_every_events`` events and at every
+structural boundary → run the step's tool calls behind the fence → stop policies → next step. The
+terminal commit is one CAS; only its winner publishes the delivery ``terminal`` event.
+
+Failures are classified by where they happened, never by message text: the provider stream →
+``provider_failure``; the application's callbacks → ``runtime_failure``; an owned store mutation refused →
+``storage_conflict``; provider silence → ``timeout``. Losing the fence stops the loop without a terminal:
+the run belongs to someone else now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic_ai.messages import (
+    InstructionPart,
+    ModelResponse,
+    PartDeltaEvent,
+    PartEndEvent,
+    PartStartEvent,
+    TextPart as PaiTextPart,
+    TextPartDelta,
+    ThinkingPart as PaiThinkingPart,
+    ThinkingPartDelta,
+    ToolCallPart as PaiToolCallPart,
+    ToolCallPartDelta,
+)
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
+from pydantic_core import to_jsonable_python
+
+from .errors import (
+    AgentContextOverflowError,
+    AgentRunOwnershipConflictError,
+    AgentRunRevisionConflictError,
+    AgentRunStateConflictError,
+    AgentStoreConflictError,
+)
+from .events import (
+    AssistantCheckpointEvent,
+    AssistantDeltaEvent,
+    ReasoningDeltaEvent,
+    RunOperationEvent,
+    ToolStatusEvent,
+    durable_event_id,
+)
+from .history.projection import project_agent_history_detailed
+from .models import AgentModelDescriptor
+from .protocol import AgentProtocol
+from .records import (
+    ControlPart,
+    InputJoinedPart,
+    Message,
+    Part,
+    ProviderEnvelope,
+    ProviderPart,
+    ReasoningPart,
+    Run,
+    RunOperation,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
+from .store.aggregate import AgentRuntimeStore
+from .store.reducer import AbsorbClaim
+from .tools import AgentTool, AgentToolContext, AppError, error_envelope
+from .usage import AgentUsage
+
+INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
+COMPLETED_REASONS = frozenset({"success", "policy_stop", "provider_stop"})
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+# ----------------------------------------------------------------------------------- control signals
+
+
+class RunControl:
+    """Process-local control of one executing run. Abort is a request: it never advances durable state;
+    only the loop's terminal commit does."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.abort_reason: str | None = None
+        self._aborted = asyncio.Event()
+        self.injections: list[str] = []
+
+    def abort(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            self._aborted.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort_reason is not None
+
+    async def wait(self) -> None:
+        await self._aborted.wait()
+
+    def offer_injection(self, run_id: str) -> None:
+        """An ``inject`` input's queued run may join this run at its next step boundary."""
+        if run_id != self.run_id and run_id not in self.injections:
+            self.injections.append(run_id)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _FenceLost(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _Failure(Exception):
+    """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception."""
+
+    def __init__(self, reason: str, cause: BaseException) -> None:
+        super().__init__(f"{reason}: {cause!r}")
+        self.reason = reason
+        self.cause = cause
+
+
+# ------------------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """A named stop condition checked after every step that ran tools; true ends the run ``policy_stop``."""
+
+    name: str
+    should_stop: Callable[[StepContext], bool | Awaitable[bool]]
+
+
+@dataclass
+class StepContext:
+    """What ``prepare_step`` and stop policies see; ``prepare_step`` may change ``model``,
+    ``instructions``, ``active_tools`` or ``messages`` in place or by returning a dict of changes."""
+
+    step: int
+    run: Run
+    context: Any
+    model: AgentModelDescriptor
+    instructions: str
+    messages: list[Any]
+    active_tools: list[str]
+    parts: tuple[Part, ...] = ()
+
+
+@dataclass
+class LoopSettings:
+    checkpoint_every_events: int = 20
+    idle_timeout: float | None = None
+    max_steps: int = 20
+    stop_policies: Sequence[StopPolicy] = ()
+    prepare_step: Callable[[StepContext], Any] | None = None
+    model_settings: ModelSettings | None = None
+
+
+@dataclass
+class LoopEnv:
+    """Everything one execution needs; built by the runtime per run."""
+
+    store: AgentRuntimeStore
+    owner_id: str
+    runtime_epoch: str
+    protocol: AgentProtocol
+    settings: LoopSettings
+    resolve_model: Callable[[Any], Any]
+    context: Any
+    instructions: Callable[[Any], Awaitable[str]]
+    tools: Callable[[Any], Awaitable[Sequence[AgentTool]]]
+    publish: Callable[[Any], None]
+    projection_options: Any = None
+
+
+@dataclass
+class RunOutcome:
+    """How an execution ended. ``terminal`` is None when the fence was lost (``lost``) or the terminal
+    could not be committed (``unsettled``)."""
+
+    reason: str | None
+    run: Run
+    assistant: Message | None = None
+    committed: bool = False
+    usage: AgentUsage = field(default_factory=AgentUsage)
+    cause: BaseException | None = None
+    lost: BaseException | None = None
+    unsettled: BaseException | None = None
+    absorbed_runs: tuple[Run, ...] = ()
+    steps: int = 0
+
+
+# -------------------------------------------------------------------------------------- conversion
+
+
+def _envelope(provider: str, data: Any) -> ProviderEnvelope:
+    return ProviderEnvelope(provider=provider or "unknown", data=to_jsonable_python(data))
+
+
+def canonical_parts(response: ModelResponse, provider: str) -> list[Part]:
+    """pydantic-ai response parts as canonical parts. Unknown kinds are kept opaque, never dropped."""
+    parts: list[Part] = []
+    for p in response.parts:
+        if isinstance(p, PaiTextPart):
+            if p.content:
+                parts.append(TextPart(text=p.content))
+        elif isinstance(p, PaiThinkingPart):
+            data = {"id": p.id, "signature": p.signature, "provider_details": p.provider_details}
+            parts.append(ReasoningPart(text=p.content, envelope=_envelope(p.provider_name or provider, data)))
+        elif isinstance(p, PaiToolCallPart):
+            try:
+                args: Any = p.args_as_dict()
+            except ValueError:
+                args = p.args if isinstance(p.args, str) else None
+            parts.append(ToolCallPart(call_id=p.tool_call_id, tool_name=p.tool_name, input=to_jsonable_python(args)))
+        else:
+            parts.append(ProviderPart(envelope=_envelope(provider, {"part": p})))
+    return parts
+
+
+def _json_safe(value: Any) -> Any:
+    return to_jsonable_python(value)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+# ------------------------------------------------------------------------------------ owned writes
+
+
+class _OwnedRun:
+    """Serializes the run's owned mutations and keeps its current revision. A revision conflict caused
+    by a durable interrupt is adopted (and aborts the run); any other ownership change is a lost fence."""
+
+    def __init__(self, env: LoopEnv, run: Run, control: RunControl) -> None:
+        self.env = env
+        self.run = run
+        self.control = control
+        self.checkpoints = 0
+        self._lock = asyncio.Lock()
+
+    async def _reconcile(self, error: AgentStoreConflictError) -> None:
+        loaded = await self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+        current = loaded.run if loaded else None
+        if (
+            current is None
+            or not current.acquired
+            or current.owner_id != self.env.owner_id
+            or current.fencing_token != self.run.fencing_token
+        ):
+            raise _FenceLost(error)
+        self.run = current
+        if current.state == "interrupt_requested":
+            self.control.abort("interrupted")
+
+    async def _owned(self, write: Callable[[Run], Awaitable[Any]]) -> Any:
+        async with self._lock:
+            for attempt in range(3):
+                try:
+                    result = await write(self.run)
+                except AgentRunRevisionConflictError as error:
+                    if attempt == 2:
+                        raise _Failure("storage_conflict", error) from error
+                    await self._reconcile(error)
+                    continue
+                except (AgentRunOwnershipConflictError, AgentRunStateConflictError) as error:
+                    raise _FenceLost(error) from error
+                except AgentStoreConflictError as error:
+                    raise _Failure("storage_conflict", error) from error
+                except Exception as error:  # the store failed: the run cannot continue durably
+                    raise _Failure("runtime_failure", error) from error
+                self.run = result.run
+                return result
+            raise AssertionError("unreachable")
+
+    async def checkpoint(self, parts: Sequence[Part]) -> None:
+        store, run = self.env.store, self.run
+
+        async def write(run: Run) -> Any:
+            return await store.checkpoint_run_assistant(
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                expected_revision=run.revision,
+                owner_id=self.env.owner_id,
+                fencing_token=run.fencing_token,
+                parts=list(parts),
+            )
+
+        result = await self._owned(write)
+        self.checkpoints += 1
+        self.env.publish(
+            AssistantCheckpointEvent(
+                event_id=durable_event_id(run.id, "assistant-checkpoint", result.version),
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                version=result.version,
+                message_id=run.assistant_message_id,
+                parts=tuple(parts),
+            )
+        )
+
+    async def record(self, operation: RunOperation) -> None:
+        store = self.env.store
+
+        async def write(run: Run) -> Any:
+            return await store.record_run_operation(
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                expected_revision=run.revision,
+                owner_id=self.env.owner_id,
+                fencing_token=run.fencing_token,
+                operation=operation,
+            )
+
+        result = await self._owned(write)
+        self.env.publish(
+            RunOperationEvent(
+                event_id=durable_event_id(self.run.id, "run-operation", result.version, operation.phase),
+                conversation_id=self.run.conversation_id,
+                run_id=self.run.id,
+                version=result.version,
+                operation=operation,
+            )
+        )
+
+    async def fence(self) -> None:
+        """Check that this process still owns the run (before a tool's effect and before its result)."""
+        loaded = await self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+        current = loaded.run if loaded else None
+        if (
+            current is None
+            or not current.acquired
+            or current.owner_id != self.env.owner_id
+            or current.fencing_token != self.run.fencing_token
+        ):
+            raise _FenceLost(RuntimeError(f"run {self.run.id} is no longer owned by {self.env.owner_id}"))
+        if current.state == "interrupt_requested":
+            self.control.abort("interrupted")
+
+
+# -------------------------------------------------------------------------------------- execution
+
+
+class _Execution:
+    def __init__(self, env: LoopEnv, run: Run, control: RunControl) -> None:
+        self.env = env
+        self.control = control
+        self.owned = _OwnedRun(env, run, control)
+        self.parts: list[Part] = []
+        self.usage = AgentUsage()
+        self.claims: dict[str, AbsorbClaim] = {}
+        self.sequence = 0
+        self.steps = 0
+
+    @property
+    def run(self) -> Run:
+        return self.owned.run
+
+    def _transient(self, cls: type, **fields: Any) -> None:
+        self.sequence += 1
+        self.env.publish(
+            cls(
+                conversation_id=self.run.conversation_id,
+                run_id=self.run.id,
+                runtime_epoch=self.env.runtime_epoch,
+                sequence=self.sequence,
+                **fields,
+            )
+        )
+
+    async def _abortable(self, work: Awaitable[Any]) -> Any:
+        """Run ``work`` until it finishes or the run is aborted (then cancel it and raise ``_Aborted``)."""
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self.control.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise _Aborted()
+
+    async def _callback(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await _maybe_await(fn(*args))
+        except AgentContextOverflowError as error:
+            raise _Failure("context_overflow", error) from error
+        except Exception as error:
+            raise _Failure("runtime_failure", error) from error
+
+    async def _join_injections(self, step: int) -> None:
+        """At a step boundary, let offered ``inject`` runs join; only still-queued, unstarted runs qualify.
+        A claimed run that gained coalesced inputs since is re-claimed at its new revision."""
+        offered, self.control.injections = self.control.injections, []
+        for run_id in offered:
+            loaded = await self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=run_id)
+            if loaded is None or loaded.run.state != "queued" or loaded.run.execution_sequence is not None:
+                continue
+            queued = loaded.run
+            previous = self.claims.get(run_id)
+            seen = set(previous.input_message_ids) if previous else set()
+            new_ids = tuple(mid for mid in queued.input_message_ids if mid not in seen)
+            self.claims[run_id] = AbsorbClaim(queued.id, queued.revision, queued.input_message_ids)
+            if new_ids:
+                self.parts.append(InputJoinedPart(run_id=queued.id, message_ids=new_ids, step=step))
+
+    async def _history(self) -> tuple[list[Any], list[str]]:
+        snapshot = await self.env.store.load_snapshot(conversation_id=self.run.conversation_id)
+        joined = set(self.claims)
+        visible = [m for m in snapshot.visible_to(self.run.id) if m.id != self.run.assistant_message_id]
+        injected = [m for m in snapshot.messages if m.run_id in joined and m.role == "user"]
+        current = Message(
+            id=self.run.assistant_message_id,
+            conversation_id=self.run.conversation_id,
+            role="assistant",
+            status="completed",
+            parts=tuple(self.parts),
+            run_id=self.run.id,
+            created_at=self.run.created_at,
+            seq=0,
+        )
+        projection = project_agent_history_detailed([*visible, *injected, current], self.env.projection_options)
+        return list(projection.messages), list(projection.system)
+
+    async def _stream(self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any) -> ModelResponse:
+        settings = self.env.settings
+        every = max(1, settings.checkpoint_every_events)
+        base = list(self.parts)
+        operation = RunOperation(
+            kind="model-request", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
+        )
+        await self.owned.record(operation)
+        state: dict[str, Any] = {"stream": None, "first": False}
+
+        async def consume() -> ModelResponse:
+            loop = asyncio.get_running_loop()
+            model_settings: ModelSettings = {"max_retries": 0, **(settings.model_settings or {})}  # type: ignore[typeddict-item]
+            try:
+                async with model.model.request_stream(messages, model_settings, params) as stream:
+                    state["stream"] = stream
+                    count = 0
+                    timeout = asyncio.timeout(settings.idle_timeout) if settings.idle_timeout else None
+                    async with timeout or contextlib.nullcontext():
+                        async for event in stream:
+                            if timeout is not None:
+                                timeout.reschedule(loop.time() + settings.idle_timeout)  # type: ignore[operator]
+                            if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
+                                continue
+                            structural = isinstance(event, PartEndEvent) and isinstance(event.part, PaiToolCallPart)
+                            if not isinstance(event, PartEndEvent):
+                                count += 1
+                                await self._on_event(event, operation, state)
+                            if structural or count >= every:
+                                count = 0
+                                await self.owned.checkpoint(
+                                    [*base, *canonical_parts(stream.get(), model.provider_name)]
+                                )
+                    return stream.get()
+            except TimeoutError as error:
+                if timeout is not None and timeout.expired():
+                    raise _Failure("timeout", error) from error
+                raise _Failure("provider_failure", error) from error
+            except (_Failure, _FenceLost, _Aborted):
+                raise
+            except Exception as error:
+                raise _Failure("provider_failure", error) from error
+
+        def keep_partial() -> None:
+            # what was streamed stays as evidence (complete tool calls cannot be: their results never came)
+            stream = state["stream"]
+            if stream is not None:
+                partial = canonical_parts(stream.get(), model.provider_name)
+                self.parts.extend(p for p in partial if p.type != "tool-call")
+
+        try:
+            response = await self._abortable(consume())
+        except _Aborted:
+            keep_partial()
+            await self._finish_operation(operation, "cancelled")
+            raise
+        except _Failure as failure:
+            keep_partial()
+            await self._finish_operation(operation, "failed", failure.reason)
+            raise
+        self.usage = self.usage + AgentUsage.from_request(response.usage)
+        await self.owned.record(operation.model_copy(update={"phase": "completed", "finished_at": _now()}))
+        return response
+
+    async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
+        """Record a failed or cancelled request; the failure that ended it stays the one reported."""
+        with contextlib.suppress(_Failure, _FenceLost):
+            await self.owned.record(
+                operation.model_copy(update={"phase": phase, "finished_at": _now(), "detail": detail})
+            )
+
+    async def _on_event(self, event: PartStartEvent | PartDeltaEvent, operation: RunOperation, state: dict) -> None:
+        text = None
+        reasoning = None
+        output = False
+        if isinstance(event, PartStartEvent):
+            part = event.part
+            if isinstance(part, PaiTextPart):
+                text = part.content
+            elif isinstance(part, PaiThinkingPart):
+                reasoning = part.content
+            elif isinstance(part, PaiToolCallPart):
+                output = bool(part.args) or bool(part.tool_name)
+        else:
+            delta = event.delta
+            if isinstance(delta, TextPartDelta):
+                text = delta.content_delta
+            elif isinstance(delta, ThinkingPartDelta):
+                reasoning = delta.content_delta
+            elif isinstance(delta, ToolCallPartDelta):
+                output = bool(delta.args_delta)
+        if text:
+            self._transient(AssistantDeltaEvent, delta=text)
+        if reasoning:
+            self._transient(ReasoningDeltaEvent, delta=reasoning)
+        if (text or reasoning or output) and not state["first"]:
+            state["first"] = True
+            await self.owned.record(operation.model_copy(update={"phase": "first-output", "first_output_at": _now()}))
+
+    async def _call_tool(self, tools: dict[str, AgentTool], call: ToolCallPart) -> ToolResultPart:
+        self._transient(
+            ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
+        )
+        await self.owned.fence()
+        try:
+            tool = tools.get(call.tool_name)
+            if tool is None:
+                raise AppError("UNKNOWN_TOOL", f"no tool named {call.tool_name!r}", hint=f"use one of {sorted(tools)}")
+            args = tool.validate(call.input)
+            ctx = AgentToolContext(
+                conversation_id=self.run.conversation_id,
+                run_id=self.run.id,
+                call_id=call.call_id,
+                tool_name=call.tool_name,
+                context=self.env.context,
+            )
+            output = _json_safe(await tool.call(ctx, args))
+        except (_FenceLost, _Aborted):
+            raise
+        except Exception as error:
+            await self.owned.fence()
+            envelope = error_envelope(error)
+            self._transient(
+                ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
+            )
+            return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope)
+        await self.owned.fence()
+        self._transient(
+            ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="completed", output=output
+        )
+        return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="success", output=output)
+
+    async def _steps(self) -> tuple[str, str | None]:
+        env = self.env
+        await self.owned.checkpoint(self.parts)  # the initial draft
+        model = await self._callback(env.resolve_model, self)
+        instructions = await self._callback(env.instructions, self)
+        tools = list(await self._callback(env.tools, self))
+        by_name = {t.name: t for t in tools}
+        for step in range(max(1, env.settings.max_steps)):
+            self.steps = step + 1
+            if self.control.aborted:
+                raise _Aborted()
+            await self._join_injections(step)
+            messages, system = await self._history()
+            ctx = StepContext(
+                step=step,
+                run=self.run,
+                context=env.context,
+                model=model,
+                instructions="\n\n".join([instructions, *system]).strip(),
+                messages=messages,
+                active_tools=list(by_name),
+                parts=tuple(self.parts),
+            )
+            if env.settings.prepare_step is not None:
+                changes = await self._callback(env.settings.prepare_step, ctx)
+                for key, value in (changes or {}).items():
+                    setattr(ctx, key, value)
+            params = ModelRequestParameters(
+                function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
+                instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
+            )
+            response = await self._stream(step, ctx.model, ctx.messages, params)
+            produced = canonical_parts(response, ctx.model.provider_name)
+            self.parts.extend(produced)
+            await self.owned.checkpoint(self.parts)  # step finish
+            calls = [p for p in produced if isinstance(p, ToolCallPart)]
+            if not calls:
+                return ("provider_stop" if response.finish_reason == "length" else "success"), None
+            results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in calls)))
+            self.parts.extend(results)
+            await self.owned.checkpoint(self.parts)  # tool results
+            ctx.parts = tuple(self.parts)
+            for policy in env.settings.stop_policies:
+                if await self._callback(policy.should_stop, ctx):
+                    return "policy_stop", policy.name
+        return "policy_stop", "max-steps"
+
+    async def execute(self) -> RunOutcome:
+        cause: BaseException | None = None
+        policy_name: str | None = None
+        try:
+            reason, policy_name = await self._steps()
+        except _Aborted:
+            reason = self.control.abort_reason or "interrupted"
+        except _Failure as failure:
+            reason, cause = failure.reason, failure.cause
+            if self.control.aborted:  # an abort that surfaced as a failure is still the abort
+                reason = self.control.abort_reason or reason
+        except _FenceLost as lost:
+            return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=lost.cause, steps=self.steps)
+        if reason in COMPLETED_REASONS and not self.env.protocol.accept_terminal(self.parts, reason, policy_name):
+            reason, policy_name = "output_rejected", None
+        return await self._commit(reason, policy_name, cause)
+
+    async def _commit(self, reason: str, policy_name: str | None, cause: BaseException | None) -> RunOutcome:
+        parts = list(self.parts)
+        if reason in INTERRUPTED_REASONS:
+            parts = [p for p in parts if p.type != "control"] + [ControlPart()]
+        store = self.env.store
+        for attempt in range(3):
+            run = self.owned.run
+            try:
+                result = await store.commit_run_terminal(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    expected_revision=run.revision,
+                    owner_id=self.env.owner_id,
+                    fencing_token=run.fencing_token,
+                    terminal_reason=reason,
+                    parts=parts,
+                    policy_name=policy_name if reason == "policy_stop" else None,
+                    absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
+                )
+            except AgentRunRevisionConflictError as error:
+                try:
+                    await self.owned._reconcile(error)
+                except _FenceLost as lost:
+                    return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=lost.cause, steps=self.steps)
+                if self.owned.run.state == "interrupt_requested" and reason in COMPLETED_REASONS:
+                    reason, parts = "interrupted", [*parts, ControlPart()]
+                if attempt < 2:
+                    continue
+                return RunOutcome(reason=None, run=self.run, usage=self.usage, unsettled=error, steps=self.steps)
+            except (AgentRunOwnershipConflictError, AgentRunStateConflictError) as error:
+                return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=error, steps=self.steps)
+            except Exception as error:
+                return RunOutcome(reason=None, run=self.run, usage=self.usage, unsettled=error, steps=self.steps)
+            return RunOutcome(
+                reason=result.run.terminal_reason,
+                run=result.run,
+                assistant=result.assistant,
+                committed=result.outcome == "committed",
+                usage=self.usage,
+                cause=cause,
+                absorbed_runs=result.absorbed_runs,
+                steps=self.steps,
+            )
+        raise AssertionError("unreachable")
+
+
+async def execute_run(env: LoopEnv, run: Run, control: RunControl) -> RunOutcome:
+    """Execute one acquired run to its terminal commit (or to a lost fence). Never raises for a run
+    failure: the outcome says how it ended. Cancelling the calling task cancels the provider call and
+    tools but commits nothing; the run stays acquired for recovery to decide."""
+    return await _Execution(env, run, control).execute()

@@ -1,0 +1,111 @@
+"""``define_model_registry``: the models an application allows, their windows and capabilities.
+
+A model is any pydantic-ai model: a name such as ``'openai:gpt-4.1-mini'`` (constructed on first use,
+which reads the provider's credentials) or a ``Model`` instance. ``preflight`` runs before admission,
+so a missing credential or capability refuses the input before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_ai.exceptions import UserError
+from pydantic_ai.models import Model, infer_model
+
+from .errors import AgentRuntimeUsageError
+
+
+class AgentModelUnavailableError(AgentRuntimeUsageError):
+    """The model is unknown, lacks a required capability, or its provider cannot be constructed (for
+    example a missing API key; the message names the environment variable)."""
+
+
+@dataclass(frozen=True)
+class AgentModelDescriptor:
+    """One resolved model: its registry name, the pydantic-ai ``Model``, window and capabilities."""
+
+    name: str
+    model: Model
+    context_window: int | None
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def provider_name(self) -> str:
+        return self.model.system
+
+
+@dataclass
+class _Declaration:
+    name: str
+    model: Model | str
+    context_window: int | None
+    capabilities: frozenset[str]
+    built: Model | None = None
+
+
+class AgentModelRegistry:
+    """Resolve declared models by name. Build it with :func:`define_model_registry`."""
+
+    def __init__(self, declarations: Mapping[str, _Declaration]) -> None:
+        self._declarations = dict(declarations)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._declarations)
+
+    def _declaration(self, name: str, capabilities: Iterable[str]) -> _Declaration:
+        declared = self._declarations.get(name)
+        if declared is None:
+            raise AgentModelUnavailableError(f"unknown model {name!r}; declared: {sorted(self._declarations)}")
+        missing = set(capabilities) - declared.capabilities
+        if missing:
+            raise AgentModelUnavailableError(f"model {name!r} lacks capabilities {sorted(missing)}")
+        return declared
+
+    def _build(self, declared: _Declaration) -> Model:
+        if declared.built is None:
+            if isinstance(declared.model, Model):
+                declared.built = declared.model
+            else:
+                try:
+                    declared.built = infer_model(declared.model)
+                except (UserError, ImportError, ValueError) as error:
+                    raise AgentModelUnavailableError(f"model {declared.name!r} is unavailable: {error}") from error
+        return declared.built
+
+    def preflight(self, name: str, capabilities: Iterable[str] = ()) -> AgentModelDescriptor:
+        """Check before admission that ``name`` is declared, has ``capabilities`` and can be built."""
+        return self.resolve(name, capabilities)
+
+    def resolve(self, name: str, capabilities: Iterable[str] = ()) -> AgentModelDescriptor:
+        """The descriptor a run uses. Raises :class:`AgentModelUnavailableError` with the reason."""
+        declared = self._declaration(name, capabilities)
+        return AgentModelDescriptor(
+            name=name,
+            model=self._build(declared),
+            context_window=declared.context_window,
+            capabilities=declared.capabilities,
+        )
+
+
+def define_model_registry(*, models: Mapping[str, Mapping[str, Any]]) -> AgentModelRegistry:
+    """Declare models: ``{name: {"model": <pydantic-ai Model or name>, "context_window": int,
+    "capabilities": [...]}}``. Unknown keys are refused so typos do not pass silently."""
+    declarations = {}
+    for name, spec in models.items():
+        unknown = set(spec) - {"model", "context_window", "capabilities"}
+        if unknown:
+            raise AgentRuntimeUsageError(f"models[{name!r}] has unknown keys {sorted(unknown)}")
+        model = spec.get("model")
+        if not isinstance(model, Model | str) or not model:
+            raise AgentRuntimeUsageError(f"models[{name!r}].model is a pydantic-ai Model or a model name")
+        window = spec.get("context_window")
+        if window is not None and (not isinstance(window, int) or window < 0):
+            raise AgentRuntimeUsageError(f"models[{name!r}].context_window is a non-negative integer")
+        capabilities = spec.get("capabilities", ())
+        if isinstance(capabilities, str):
+            raise AgentRuntimeUsageError(f"models[{name!r}].capabilities is a list of names, not a string")
+        declarations[name] = _Declaration(name, model, window, frozenset(capabilities))
+    return AgentModelRegistry(declarations)

@@ -1,0 +1,813 @@
+"""``create_agent_runtime`` and the :class:`AgentRuntime` facade.
+
+Durable order: accept input + assign a queued run (one transaction) → acquire → execute and checkpoint →
+execution settles → terminal CAS → the lane releases → the successor starts. An event claiming a durable
+fact is published only after its commit. Abort is a request, never a state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from .coordinator import INPUT_POLICIES, Lane, Waiters, call_maybe_async, quiet
+from .errors import (
+    AgentConversationPurgedError,
+    AgentRecordNotFoundError,
+    AgentRecordValidationError,
+    AgentRunOrderConflictError,
+    AgentRunOwnershipConflictError,
+    AgentRunRevisionConflictError,
+    AgentRunStateConflictError,
+    AgentRuntimeUsageError,
+    AgentRunUnsettledError,
+    AgentStoreConflictError,
+    ThreadlineError,
+)
+from .events import AdmissionEvent, RunStateEvent, TerminalEvent, durable_event_id
+from .history.projection import AgentHistoryProjectionOptions
+from .history.prompt import AgentPrompt, ComposedAgentPrompt
+from .loop import LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run
+from .models import AgentModelDescriptor
+from .protocol import AgentProtocol
+from .records import PARTS_ADAPTER, Message, Run
+from .store.aggregate import AgentRuntimeStore
+from .store.reducer import order_recoverable
+from .store.results import InterruptResult, RecoverResult
+from .tools import AgentTool
+from .usage import AgentUsage
+
+C = TypeVar("C")
+_STORE_RETRY_DELAYS = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)  # about half a second in all
+_DECISIONS = (
+    AgentStoreConflictError,
+    AgentRecordNotFoundError,
+    AgentConversationPurgedError,
+    AgentRuntimeUsageError,
+)
+
+
+class AgentRuntimeClosedError(AgentRuntimeUsageError):
+    """The runtime is closing or closed: it admits nothing new here; durably queued work stays
+    recoverable by ``recover()`` in a later runtime."""
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class RunsConfig:
+    """``input_policy``: a policy name or a function of the raw input returning one.
+    ``coalesce_pending``: later inputs join the single queued successor."""
+
+    input_policy: str | Callable[[AgentRuntimeInput], str] = "queue"
+    coalesce_pending: bool = False
+    owner_id: str | None = None
+
+
+@dataclass
+class LoopConfig:
+    checkpoint_every_events: int = 20
+    idle_timeout: float | None = None
+    max_steps: int = 20
+    stop_policies: Sequence[StopPolicy | Mapping[str, Any]] = ()
+    prepare_step: Callable[..., Any] | None = None
+    model_settings: Mapping[str, Any] | None = None
+
+
+@dataclass
+class HistoryConfig:
+    interrupted_assistant: Literal["assistant-marked", "system-note", "omit"] = "assistant-marked"
+    evidence_policy: Any = None
+    incomplete_tool_turn: Literal["drop", "error"] = "drop"
+    unresolved_file: Literal["omit", "text", "error"] = "omit"
+    resolve_file: Callable[..., Any] | None = None
+
+
+def _section(cls: type[C], value: C | Mapping[str, Any] | None, name: str) -> C:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise AgentRuntimeUsageError(f"{name} is a dict or a {cls.__name__}, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = set(value) - known
+    if unknown:
+        raise AgentRuntimeUsageError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**value)
+
+
+# ----------------------------------------------------------------------------------------- results
+
+
+class AgentRuntimeInput(BaseModel):
+    """The raw input an ``input_policy`` function sees (context not yet parsed)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    conversation_id: str
+    idempotency_key: str
+    context: Any
+    parts: tuple[Any, ...]
+    input_metadata: Any = None
+
+
+class PendingAssistant(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    run_id: str
+    status: Literal["pending"] = "pending"
+
+
+class AgentAdmission(BaseModel):
+    """``ticket.admission``: what the acceptance CAS committed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    outcome: Literal["accepted", "duplicate"]
+    input: Message
+    run: Run
+    pending: PendingAssistant
+    version: int
+    coalesced: bool = False
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    @property
+    def input_message_id(self) -> str:
+        return self.input.id
+
+    @property
+    def assistant_message_id(self) -> str:
+        return self.pending.id
+
+
+class AgentRunMetrics(BaseModel):
+    """Execution figures of the executor that applied the terminal CAS."""
+
+    model_config = ConfigDict(frozen=True)
+
+    steps: int
+    usage: AgentUsage
+
+
+class AgentRuntimeResult(BaseModel):
+    """``ticket.result``: how the run ended. ``metrics`` is None unless this process applied the terminal
+    (a CAS loser, a duplicate submission or an absorbed run reads the canonical winner)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    terminal_reason: str
+    run: Run
+    assistant: Message | None
+    usage: AgentUsage
+    policy_name: str | None = None
+    metrics: AgentRunMetrics | None = None
+
+
+class AgentRuntimeCloseResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    settled: bool
+    timed_out: bool
+    remaining: int
+
+
+@dataclass
+class AgentRecoveryOutcome:
+    """One run's recovery outcome. ``result`` resolves at its terminal for ``resumed``/``requeued``."""
+
+    conversation_id: str
+    run_id: str
+    outcome: Literal["resumed", "requeued", "skipped", "abandoned", "blocked", "failed"]
+    result: asyncio.Future[AgentRuntimeResult] | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class AgentRuntimeTicket:
+    """What ``submit`` returns at once. ``admission`` resolves after the acceptance CAS, ``accepted``
+    after the admission event was published, ``result`` at the run's terminal."""
+
+    admission: asyncio.Future[AgentAdmission]
+    accepted: asyncio.Future[AgentAdmission]
+    result: asyncio.Future[AgentRuntimeResult]
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+@dataclass
+class AgentPromptContext:
+    """What prompt contributions and ``tools`` receive."""
+
+    context: Any
+    conversation_id: str
+    run: Run
+    model: AgentModelDescriptor | None = None
+
+
+def _result_from(run: Run, assistant: Message | None, usage: AgentUsage | None = None, metrics: Any = None) -> Any:
+    return AgentRuntimeResult(
+        terminal_reason=run.terminal_reason or "",
+        run=run,
+        assistant=assistant,
+        usage=usage or AgentUsage(),
+        policy_name=run.policy_name,
+        metrics=metrics,
+    )
+
+
+# ----------------------------------------------------------------------------------------- runtime
+
+
+class AgentRuntime:
+    """Runs durable conversations: admission, lanes and policies, the step loop, recovery and close."""
+
+    def __init__(
+        self,
+        *,
+        protocol: AgentProtocol,
+        store: AgentRuntimeStore,
+        models: Any,
+        prompt: Any = None,
+        tools: Any = None,
+        runs: Any = None,
+        loop: Any = None,
+        history: Any = None,
+        publish: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if not isinstance(protocol, AgentProtocol):
+            raise AgentRuntimeUsageError("protocol is built with define_agent_protocol(...)")
+        if not isinstance(store, AgentRuntimeStore):
+            raise AgentRuntimeUsageError("store is an AgentRuntimeStore (for SQLite: the handle's .store)")
+        self.protocol = protocol
+        self.store = store
+        self._preflight, self._resolve = self._model_hooks(models)
+        self._prompt = prompt
+        self._tools = tools
+        self.runs = _section(RunsConfig, runs, "runs")
+        policy = self.runs.input_policy
+        if not callable(policy) and policy not in INPUT_POLICIES:
+            raise AgentRuntimeUsageError(f"runs.input_policy is one of {INPUT_POLICIES} or a function, got {policy!r}")
+        loop_config = _section(LoopConfig, loop, "loop")
+        self.loop_settings = LoopSettings(
+            checkpoint_every_events=loop_config.checkpoint_every_events,
+            idle_timeout=loop_config.idle_timeout,
+            max_steps=loop_config.max_steps,
+            stop_policies=tuple(self._stop_policy(p) for p in loop_config.stop_policies),
+            prepare_step=loop_config.prepare_step,
+            model_settings=dict(loop_config.model_settings) if loop_config.model_settings else None,  # type: ignore[arg-type]
+        )
+        if self.loop_settings.checkpoint_every_events < 1 or self.loop_settings.max_steps < 1:
+            raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
+        history_config = _section(HistoryConfig, history, "history")
+        self.projection_options = AgentHistoryProjectionOptions.model_validate(
+            {k: v for k, v in vars(history_config).items() if v is not None}
+        )
+        self._publish_fn = publish
+        self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
+        self.runtime_epoch = uuid.uuid4().hex
+        self.closing = False
+        self.lanes: dict[str, Lane] = {}
+        self.waiters = Waiters()
+
+    # ---------------------------------------------------------------------------------- plumbing
+
+    @staticmethod
+    def _stop_policy(value: StopPolicy | Mapping[str, Any]) -> StopPolicy:
+        if isinstance(value, StopPolicy):
+            policy = value
+        elif isinstance(value, Mapping) and set(value) == {"name", "should_stop"}:
+            policy = StopPolicy(value["name"], value["should_stop"])
+        else:
+            raise AgentRuntimeUsageError("a stop policy is {'name': str, 'should_stop': callable}")
+        if policy.name == "max-steps" or not policy.name:
+            raise AgentRuntimeUsageError("stop policy names are non-empty; 'max-steps' is reserved for loop.max_steps")
+        return policy
+
+    @staticmethod
+    def _model_hooks(models: Any) -> tuple[Callable[..., Any] | None, Callable[..., Any]]:
+        preflight = models.get("preflight") if isinstance(models, Mapping) else getattr(models, "preflight", None)
+        resolve = models.get("resolve") if isinstance(models, Mapping) else getattr(models, "resolve", None)
+        if not callable(resolve):
+            raise AgentRuntimeUsageError("models needs a callable 'resolve' (and optionally 'preflight')")
+        return preflight, resolve
+
+    @staticmethod
+    async def _call_hook(hook: Callable[..., Any], argument: Any) -> Any:
+        takes_argument = bool(inspect.signature(hook).parameters)
+        return await call_maybe_async(hook, argument) if takes_argument else await call_maybe_async(hook)
+
+    def publish(self, event: Any) -> None:
+        """Hand an event to the application's publisher. A publisher failure never changes a run."""
+        if self._publish_fn is None:
+            return
+        try:
+            outcome = self._publish_fn(event)
+            if inspect.isawaitable(outcome):
+                task = asyncio.ensure_future(outcome)
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        except Exception:
+            pass
+
+    async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
+        """Retry a failing store call for about half a second; decisions (conflicts, purges, not found,
+        bad input) are not failures and pass through at once."""
+        for delay in (*_STORE_RETRY_DELAYS, None):
+            try:
+                return await call()
+            except _DECISIONS:
+                raise
+            except Exception:
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _lane(self, conversation_id: str) -> Lane:
+        lane = self.lanes.get(conversation_id)
+        if lane is None:
+            lane = self.lanes[conversation_id] = Lane(self, conversation_id)
+        return lane
+
+    def _publish_run_state(self, run: Run, version: int) -> None:
+        self.publish(
+            RunStateEvent(
+                event_id=durable_event_id(run.id, "run-state", version),
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                version=version,
+                state=run.state,
+                terminal_reason=run.terminal_reason,
+            )
+        )
+
+    # ------------------------------------------------------------------------------------ submit
+
+    def submit(
+        self,
+        *,
+        conversation_id: str,
+        idempotency_key: str,
+        context: Any,
+        parts: Sequence[Any],
+        input_metadata: Any = None,
+        record_ids: Mapping[str, str] | None = None,
+    ) -> AgentRuntimeTicket:
+        """Admit one input. Returns a ticket at once; call from a running event loop.
+
+        ``record_ids`` may fix ``input_message_id``, ``run_id`` and ``assistant_message_id`` (reuse the same
+        input id when retrying a key). When ``admission`` resolves, the input, its receipt and its queued
+        run are durable. Cancelling ``ticket.task`` before that may or may not have admitted the input:
+        retry with the same key to find out.
+        """
+        loop = asyncio.get_running_loop()
+        ticket = AgentRuntimeTicket(
+            admission=quiet(loop.create_future()),
+            accepted=quiet(loop.create_future()),
+            result=quiet(loop.create_future()),
+        )
+        ticket.task = loop.create_task(
+            self._admit(ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {})
+        )
+        return ticket
+
+    async def _admit(
+        self,
+        ticket: AgentRuntimeTicket,
+        conversation_id: str,
+        idempotency_key: str,
+        context: Any,
+        parts: Sequence[Any],
+        input_metadata: Any,
+        record_ids: Mapping[str, str],
+    ) -> None:
+        try:
+            if self.closing:
+                raise AgentRuntimeClosedError("the runtime is closing; it admits no new input")
+            unknown = set(record_ids) - {"input_message_id", "run_id", "assistant_message_id"}
+            if unknown:
+                raise AgentRecordValidationError(f"record_ids has unknown keys {sorted(unknown)}", field="record_ids")
+            parsed_context = self.protocol.parse_context(context)
+            metadata = self.protocol.parse_input_metadata(input_metadata)
+            raw = AgentRuntimeInput(
+                conversation_id=conversation_id,
+                idempotency_key=idempotency_key,
+                context=context,
+                parts=tuple(parts),
+                input_metadata=input_metadata,
+            )
+            policy = self.runs.input_policy(raw) if callable(self.runs.input_policy) else self.runs.input_policy
+            if policy not in INPUT_POLICIES:
+                raise AgentRuntimeUsageError(f"input_policy returned {policy!r}; expected one of {INPUT_POLICIES}")
+            if self._preflight is not None:
+                await self._call_hook(self._preflight, raw)
+            try:
+                canonical_parts = PARTS_ADAPTER.validate_python(list(parts))
+            except Exception as error:
+                raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
+            metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
+            accepted = await self.store.accept_input_and_assign_run(
+                conversation_id=conversation_id,
+                idempotency_key=idempotency_key,
+                input={
+                    "id": record_ids.get("input_message_id") or f"msg_{uuid.uuid4().hex}",
+                    "role": "user",
+                    "parts": canonical_parts,
+                    "metadata": metadata_json,
+                },
+                run_id=record_ids.get("run_id"),
+                assistant_message_id=record_ids.get("assistant_message_id"),
+                priority="urgent" if policy == "interrupt-next" else "ordinary",
+                input_policy=policy,
+                coalesce=self.runs.coalesce_pending,
+            )
+        except BaseException as error:
+            for future in (ticket.admission, ticket.accepted, ticket.result):
+                if not future.done():
+                    future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        run = accepted.run
+        admission = AgentAdmission(
+            outcome=accepted.outcome,
+            input=accepted.receipt.input,
+            run=run,
+            pending=PendingAssistant(id=accepted.receipt.assistant_message_id, run_id=run.id),
+            version=accepted.version,
+            coalesced=accepted.coalesced,
+        )
+        ticket.admission.set_result(admission)
+        self.publish(
+            AdmissionEvent(
+                event_id=durable_event_id(run.id, "admission", accepted.version),
+                conversation_id=conversation_id,
+                run_id=run.id,
+                version=accepted.version,
+                outcome=accepted.outcome,
+                input=accepted.receipt.input,
+                run=run,
+                assistant_message_id=accepted.receipt.assistant_message_id,
+                coalesced=accepted.coalesced,
+            )
+        )
+        if accepted.outcome == "accepted" and not accepted.coalesced:
+            self._publish_run_state(run, accepted.version)
+        ticket.accepted.set_result(admission)
+        if run.terminal:
+            ticket.result.set_result(_result_from(run, accepted.answer))
+            return
+        self.waiters.add_result(run.id, ticket.result)
+        lane = self._lane(conversation_id)
+        lane.contexts.setdefault(run.id, parsed_context)
+        if accepted.outcome == "accepted":
+            lane.apply_policy(policy, run.id)
+        lane.wake()
+
+    # --------------------------------------------------------------------------------- execution
+
+    async def execute(self, lane: Lane, run: Run, context: Any) -> bool:
+        """Acquire and execute one queued run; settle its waiters. Returns whether the lane may go on."""
+        try:
+            acquired = await self.retry_store(
+                lambda: self.store.acquire_run(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    expected_revision=run.revision,
+                    owner_id=self.owner_id,
+                )
+            )
+        except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
+            return True  # it moved (another executor, or a newer revision): look again
+        except (AgentConversationPurgedError, AgentRecordNotFoundError) as error:
+            self.waiters.reject(run.id, error)
+            return False
+        except Exception as error:
+            # acquisition failed past the retry budget (or its reply was lost): the run is abandoned here
+            self.waiters.reject(
+                run.id,
+                AgentRunUnsettledError(f"could not acquire run {run.id}: {error!r}", run=run, owner_id=self.owner_id),
+            )
+            return False
+        self.waiters.mark_acquired(run.id, acquired.run)
+        self._publish_run_state(acquired.run, acquired.version)
+        control = RunControl(run.id)
+        lane.control = control
+        prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)
+        env = LoopEnv(
+            store=self.store,
+            owner_id=self.owner_id,
+            runtime_epoch=self.runtime_epoch,
+            protocol=self.protocol,
+            settings=self.loop_settings,
+            resolve_model=lambda _execution: self._resolve_model(prompt_ctx),
+            context=context,
+            instructions=lambda _execution: self._instructions(prompt_ctx),
+            tools=lambda _execution: self._run_tools(prompt_ctx),
+            publish=self.publish,
+            projection_options=self.projection_options,
+        )
+        try:
+            outcome = await execute_run(env, acquired.run, control)
+        finally:
+            lane.control = None
+        if outcome.lost is not None:
+            error = outcome.lost
+            if not isinstance(error, AgentStoreConflictError):
+                error = AgentRunOwnershipConflictError(
+                    f"run {run.id} is no longer owned by {self.owner_id}",
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                )
+            self.waiters.reject(run.id, error)
+            return True
+        if outcome.unsettled is not None or outcome.reason is None:
+            self.waiters.reject(
+                run.id,
+                AgentRunUnsettledError(
+                    f"run {run.id} could not be settled: {outcome.unsettled!r}", run=outcome.run, owner_id=self.owner_id
+                ),
+            )
+            return False
+        metrics = AgentRunMetrics(steps=outcome.steps, usage=outcome.usage) if outcome.committed else None
+        result = _result_from(outcome.run, outcome.assistant, outcome.usage if outcome.committed else None, metrics)
+        if outcome.committed:
+            version = outcome.run.version
+            self._publish_run_state(outcome.run, version)
+            self.publish(
+                TerminalEvent(
+                    event_id=durable_event_id(run.id, "terminal", version),
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    version=version,
+                    terminal_reason=outcome.run.terminal_reason or "",
+                    policy_name=outcome.run.policy_name,
+                    assistant=outcome.assistant,
+                    usage=outcome.usage,
+                )
+            )
+            for absorbed in outcome.absorbed_runs:
+                self._publish_run_state(absorbed, version)
+                self.waiters.resolve(absorbed.id, _result_from(absorbed, outcome.assistant))
+                lane.contexts.pop(absorbed.id, None)
+        self.waiters.resolve(run.id, result)
+        return True
+
+    async def _resolve_model(self, ctx: AgentPromptContext) -> AgentModelDescriptor:
+        resolved = await self._call_hook(self._resolve, ctx)
+        if not isinstance(resolved, AgentModelDescriptor):
+            from pydantic_ai.models import Model
+
+            if not isinstance(resolved, Model):
+                raise AgentRuntimeUsageError("models.resolve returns a model descriptor or a pydantic-ai Model")
+            resolved = AgentModelDescriptor(name=resolved.model_name, model=resolved, context_window=None)
+        ctx.model = resolved
+        return resolved
+
+    async def _instructions(self, ctx: AgentPromptContext) -> str:
+        if self._prompt is None:
+            return ""
+        rendered = await call_maybe_async(self._prompt, ctx)
+        if isinstance(rendered, AgentPrompt):
+            return rendered.instructions
+        if rendered is None or isinstance(rendered, str):
+            return rendered or ""
+        raise AgentRuntimeUsageError("prompt returns instructions text or an AgentPrompt")
+
+    async def _run_tools(self, ctx: AgentPromptContext) -> Sequence[AgentTool]:
+        tools = self._tools
+        if tools is None:
+            return ()
+        if callable(tools) and not isinstance(tools, AgentTool):
+            tools = await call_maybe_async(tools, ctx)
+        tools = list(tools)
+        if not all(isinstance(t, AgentTool) for t in tools):
+            raise AgentRuntimeUsageError("tools are declared with define_agent_tool(...)")
+        return tools
+
+    # ------------------------------------------------------------------------------------ control
+
+    async def interrupt(self, *, conversation_id: str, run_id: str) -> InterruptResult:
+        """Durably interrupt a run: commit ``interrupt_requested``, then abort it here if it runs here.
+        Its executor commits the terminal (``interrupted``); a queued or ended run is reported as is."""
+        result = await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run_id)
+        if result.outcome == "requested":
+            self._publish_run_state(result.run, result.version)
+        lane = self.lanes.get(conversation_id)
+        if lane is not None and lane.control is not None and lane.control.run_id == run_id:
+            lane.control.abort("interrupted")
+        return result
+
+    def stop(self, conversation_id: str, reason: Literal["interrupt", "supersede"] = "interrupt") -> bool:
+        """Process-local escape hatch: abort the conversation's executing run in this process with reason
+        ``interrupted`` or ``superseded``. Returns whether a run was executing here. Nothing durable happens
+        until the run's own terminal commit."""
+        if reason not in ("interrupt", "supersede"):
+            raise AgentRuntimeUsageError("stop reason is 'interrupt' or 'supersede'")
+        lane = self.lanes.get(conversation_id)
+        if lane is None or lane.control is None:
+            return False
+        lane.control.abort("interrupted" if reason == "interrupt" else "superseded")
+        return True
+
+    async def abandon(
+        self, *, conversation_id: str, run_id: str, expected_revision: int, stale_owner: bool = False
+    ) -> RecoverResult:
+        """Close one orphaned run with operator evidence that its owner is gone (``stale_owner=True`` is
+        required). The run ends ``abandoned`` with a failed assistant; a run that moved is a conflict."""
+        result = await self.store.recover_run(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            action="abandon",
+            stale_owner=stale_owner,
+        )
+        self._publish_run_state(result.run, result.version)
+        self.waiters.resolve(run_id, _result_from(result.run, result.assistant))
+        lane = self.lanes.get(conversation_id)
+        if lane is not None:
+            lane.wake()
+        return result
+
+    async def close(
+        self, *, grace_period: float | None = None, force_timeout: float | None = None
+    ) -> AgentRuntimeCloseResult:
+        """Stop admitting, let active runs finish for ``grace_period``, then abort them (``shutdown``) and wait
+        at most ``force_timeout`` (unbounded without it). Queued runs stay durably queued for ``recover()``.
+        Reports what it achieved: ``settled`` or ``timed_out`` with ``remaining``."""
+        self.closing = True
+        busy = [lane.task for lane in self.lanes.values() if lane.busy and lane.task is not None]
+        if busy and grace_period is not None:
+            await asyncio.wait(busy, timeout=grace_period)
+        for lane in self.lanes.values():
+            if lane.control is not None:
+                lane.control.abort("shutdown")
+        pending = [t for t in busy if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=force_timeout)
+        remaining = sum(1 for t in busy if not t.done())
+        in_flight = {lane.control.run_id for lane in self.lanes.values() if lane.control is not None}
+        # tickets of runs still executing settle when those runs end; queued ones wait for recover()
+        self.waiters.reject_all(
+            lambda run_id: AgentRuntimeClosedError(
+                f"the runtime closed before run {run_id} ended; recover() resumes it"
+            ),
+            keep=in_flight,
+        )
+        return AgentRuntimeCloseResult(settled=remaining == 0, timed_out=remaining > 0, remaining=remaining)
+
+    async def resume(self, *, conversation_id: str, run_id: str, context: Any) -> AgentRuntimeTicket:
+        """Run one known queued run (for example after a restart). ``accepted`` resolves once this runtime
+        durably acquired it; ``result`` at its terminal."""
+        loop = asyncio.get_running_loop()
+        loaded = await self.store.load_run(conversation_id=conversation_id, run_id=run_id)
+        if loaded is None:
+            raise AgentRecordNotFoundError(f"conversation {conversation_id!r} has no run {run_id!r}")
+        ticket = AgentRuntimeTicket(
+            admission=quiet(loop.create_future()),
+            accepted=quiet(loop.create_future()),
+            result=quiet(loop.create_future()),
+        )
+        ticket.admission.set_exception(AgentRuntimeUsageError("resume does not admit input"))
+        if loaded.run.terminal:
+            ticket.accepted.set_result(loaded.run)
+            ticket.result.set_result(_result_from(loaded.run, loaded.assistant))
+            return ticket
+        if loaded.run.state != "queued":
+            raise AgentRunStateConflictError(
+                f"run {run_id!r} is {loaded.run.state}; only a queued run can be resumed",
+                conversation_id=conversation_id,
+                run_id=run_id,
+                run=loaded.run,
+            )
+        lane = self._lane(conversation_id)
+        lane.contexts[run_id] = self.protocol.parse_context(context)
+        self.waiters.add_acquired(run_id, ticket.accepted)
+        self.waiters.add_result(run_id, ticket.result)
+        lane.wake()
+        return ticket
+
+    async def recover(
+        self,
+        *,
+        resolve_context: Callable[[Run], Any],
+        policy: Callable[[Run], Mapping[str, Any]] | None = None,
+        page_size: int = 100,
+        max_runs: int | None = None,
+    ) -> list[AgentRecoveryOutcome]:
+        """One recovery pass: read bounded pages of active runs, restore each conversation's execution
+        order, then resume queued runs (reported after durable acquisition) and apply ``policy`` to acquired
+        ones: ``{"action": "skip"}`` (default), ``{"action": "abandon", "stale_owner": True}`` or
+        ``{"action": "requeue", "replay_safe": True}``. One outcome per run; one failure hides nothing."""
+        runs: list[Run] = []
+        cursor = None
+        while True:
+            page = await self.store.scan_recoverable(cursor=cursor, limit=page_size)
+            runs.extend(page.runs)
+            if max_runs is not None and len(runs) >= max_runs:
+                runs = runs[:max_runs]
+                break
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        outcomes: list[AgentRecoveryOutcome] = []
+        for group in order_recoverable(runs):
+            outcomes.extend(await self._recover_conversation(group, resolve_context, policy))
+        return outcomes
+
+    async def _recover_conversation(
+        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Mapping[str, Any]] | None
+    ) -> list[AgentRecoveryOutcome]:
+        outcomes: list[AgentRecoveryOutcome] = []
+        blocked = False
+        loop = asyncio.get_running_loop()
+        for run in group:
+            cid = run.conversation_id
+            lane = self._lane(cid)
+            if lane.control is not None and lane.control.run_id == run.id:
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
+                blocked = True
+                continue
+            try:
+                if run.acquired:
+                    decision = dict(policy(run)) if policy is not None else {"action": "skip"}
+                    action = decision.get("action", "skip")
+                    if action == "abandon":
+                        await self.abandon(
+                            conversation_id=cid,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            stale_owner=bool(decision.get("stale_owner")),
+                        )
+                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "abandoned"))
+                        continue
+                    if action == "requeue":
+                        requeued = await self.store.recover_run(
+                            conversation_id=cid,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            action="requeue",
+                            replay_safe=bool(decision.get("replay_safe")),
+                        )
+                        run = requeued.run
+                        kind: Literal["resumed", "requeued"] = "requeued"
+                    else:
+                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
+                        blocked = True
+                        continue
+                else:
+                    if blocked:
+                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "blocked"))
+                        continue
+                    kind = "resumed"
+                lane.contexts[run.id] = self.protocol.parse_context(await call_maybe_async(resolve_context, run))
+                acquired: asyncio.Future[Any] = quiet(loop.create_future())
+                result: asyncio.Future[Any] = quiet(loop.create_future())
+                self.waiters.add_acquired(run.id, acquired)
+                self.waiters.add_result(run.id, result)
+                lane.wake()
+                await acquired
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, kind, result=result))
+            except ThreadlineError as error:
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
+                blocked = True
+            except RuntimeError as error:  # ended before acquisition (absorbed, abandoned elsewhere)
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
+        return outcomes
+
+
+def create_agent_runtime(
+    *,
+    protocol: AgentProtocol,
+    store: AgentRuntimeStore,
+    models: Any,
+    prompt: ComposedAgentPrompt | Callable[..., Any] | None = None,
+    tools: Sequence[AgentTool] | Callable[..., Any] | None = None,
+    runs: RunsConfig | Mapping[str, Any] | None = None,
+    loop: LoopConfig | Mapping[str, Any] | None = None,
+    history: HistoryConfig | Mapping[str, Any] | None = None,
+    publish: Callable[[Any], Any] | None = None,
+) -> AgentRuntime:
+    """Build a runtime. Each section is a dict or its typed config (``RunsConfig``, ``LoopConfig``,
+    ``HistoryConfig``) with the same field names; unknown keys are refused."""
+    return AgentRuntime(
+        protocol=protocol,
+        store=store,
+        models=models,
+        prompt=prompt,
+        tools=tools,
+        runs=runs,
+        loop=loop,
+        history=history,
+        publish=publish,
+    )

@@ -1,0 +1,406 @@
+"""``AgentRuntimeStore``: the runtime-facing aggregate over one :class:`StoreDriver`.
+
+Each method validates its arguments, stamps ``now`` and fresh ids, and runs one reducer operation in one
+driver transaction. When a mutation returns, it is committed (durable as far as the driver is durable);
+when it raises, nothing it attempted was written. Cancelling the awaiting task does not cancel a
+transaction already handed to the driver's thread: it either commits or rolls back as a whole, and the
+caller cannot tell which — read back (``load_run``) or retry with the same identity.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol, TypeVar
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from ..errors import AgentRecordValidationError
+from ..records import PARTS_ADAPTER, ConversationSnapshot, MessageDraft, Part, Priority, RunOperation
+from . import reducer
+from .driver import Access, Operation, OperationStats, StoreDriver
+from .reducer import AbsorbClaim
+from .results import (
+    AcceptResult,
+    ActiveRuns,
+    CompactionResult,
+    ConversationPage,
+    InterruptResult,
+    LoadedRun,
+    MessagePage,
+    PurgeResult,
+    RecoverablePage,
+    RecoverResult,
+    RunResult,
+    SeedResult,
+    TerminalResult,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+_CLAIMS = TypeAdapter(list[AbsorbClaim])
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh random id such as ``run_4f0c…``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in (field, *first["loc"]))
+        raise AgentRecordValidationError(f"{where}: {first['msg']}", field=where) from error
+
+
+def _parts(value: Sequence[Part | Mapping[str, Any]] | None, field: str) -> tuple[Part, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(PARTS_ADAPTER.validate_python(list(value)))
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in (field, *first["loc"]))
+        raise AgentRecordValidationError(f"{where}: {first['msg']}", field=where) from error
+
+
+def _require_text(value: object, field: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise AgentRecordValidationError(f"{field} is a non-empty string, got {value!r}", field=field)
+
+
+class AgentRuntimeStore:
+    """The eleven operations of the runtime store, plus seeding, operation records, leases and purge.
+
+    Every mutation carries an expected revision or version (or an idempotency identity); a conflict is a
+    typed error or outcome, never a silent overwrite. ``metrics`` accumulates rows read and written per
+    operation name.
+    """
+
+    def __init__(self, driver: StoreDriver, *, clock: Callable[[], datetime] = _utcnow) -> None:
+        self.driver = driver
+        self._clock = clock
+        self.metrics: dict[str, OperationStats] = {}
+        self.conversations = AgentConversationReader(self)
+
+    async def _run(self, name: str, operation: Operation[T], access: Access) -> T:
+        stats = OperationStats(calls=1)
+        try:
+            return await self.driver.run(operation, access=access, stats=stats)
+        finally:
+            total = self.metrics.setdefault(name, OperationStats())
+            total.calls += 1
+            total.rows_read += stats.rows_read
+            total.rows_written += stats.rows_written
+
+    async def aclose(self) -> None:
+        await self.driver.aclose()
+
+    # ---------------------------------------------------------------------------------- mutations
+
+    async def accept_input_and_assign_run(
+        self,
+        *,
+        conversation_id: str,
+        idempotency_key: str,
+        input: MessageDraft | Mapping[str, Any],
+        run_id: str | None = None,
+        assistant_message_id: str | None = None,
+        priority: Priority = "ordinary",
+        input_policy: str = "queue",
+        coalesce: bool = False,
+    ) -> AcceptResult:
+        """Commit an input with its receipt and queued run (or coalesce it into the queued successor).
+
+        Durable on return. Retrying with the same ``idempotency_key`` returns the original receipt.
+        """
+        _require_text(conversation_id, "conversation_id")
+        _require_text(idempotency_key, "idempotency_key")
+        if priority not in ("ordinary", "urgent"):
+            raise AgentRecordValidationError(f"priority is 'ordinary' or 'urgent', got {priority!r}", field="priority")
+        draft = _validated(MessageDraft, input, "input")
+        op = reducer.accept_input_and_assign_run(
+            conversation_id=conversation_id,
+            idempotency_key=idempotency_key,
+            input=draft,
+            run_id=run_id or new_id("run"),
+            assistant_message_id=assistant_message_id or new_id("msg"),
+            priority=priority,
+            input_policy=input_policy,
+            coalesce=coalesce,
+            now=self._clock(),
+        )
+        return await self._run("accept_input_and_assign_run", op, "write")
+
+    async def acquire_run(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        owner_id: str,
+        lease_expires_at: datetime | None = None,
+    ) -> RunResult:
+        """Take ownership of the queued run that is next in execution order; increments the fencing token."""
+        _require_text(owner_id, "owner_id")
+        op = reducer.acquire_run(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            owner_id=owner_id,
+            lease_expires_at=lease_expires_at,
+            now=self._clock(),
+        )
+        return await self._run("acquire_run", op, "write")
+
+    async def checkpoint_run_assistant(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        owner_id: str,
+        fencing_token: int,
+        parts: Sequence[Part | Mapping[str, Any]],
+    ) -> RunResult:
+        """Write the streaming assistant draft of an owned run."""
+        op = reducer.checkpoint_run_assistant(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            owner_id=owner_id,
+            fencing_token=fencing_token,
+            parts=_parts(parts, "parts") or (),
+            now=self._clock(),
+        )
+        return await self._run("checkpoint_run_assistant", op, "write")
+
+    async def record_run_operation(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        owner_id: str,
+        fencing_token: int,
+        operation: RunOperation | Mapping[str, Any],
+    ) -> RunResult:
+        """Durably record the run's ``last_operation`` phase (before the provider is called)."""
+        op = reducer.record_run_operation(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            owner_id=owner_id,
+            fencing_token=fencing_token,
+            operation=_validated(RunOperation, operation, "operation"),
+            now=self._clock(),
+        )
+        return await self._run("record_run_operation", op, "write")
+
+    async def renew_run_lease(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        owner_id: str,
+        fencing_token: int,
+        lease_expires_at: datetime,
+    ) -> RunResult:
+        """Extend the owner's lease on an acquired run."""
+        op = reducer.renew_run_lease(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            owner_id=owner_id,
+            fencing_token=fencing_token,
+            lease_expires_at=lease_expires_at,
+            now=self._clock(),
+        )
+        return await self._run("renew_run_lease", op, "write")
+
+    async def request_run_interrupt(
+        self, *, conversation_id: str, run_id: str, expected_revision: int | None = None
+    ) -> InterruptResult:
+        """Durably mark an acquired run ``interrupt_requested``."""
+        op = reducer.request_run_interrupt(
+            conversation_id=conversation_id, run_id=run_id, expected_revision=expected_revision, now=self._clock()
+        )
+        return await self._run("request_run_interrupt", op, "write")
+
+    async def commit_run_terminal(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        owner_id: str,
+        fencing_token: int,
+        terminal_reason: str,
+        parts: Sequence[Part | Mapping[str, Any]] | None = None,
+        policy_name: str | None = None,
+        absorb: Sequence[AbsorbClaim | Mapping[str, Any]] = (),
+    ) -> TerminalResult:
+        """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`)."""
+        try:
+            claims = _CLAIMS.validate_python(list(absorb))
+        except ValidationError as error:
+            raise AgentRecordValidationError(f"absorb: {error.errors()[0]['msg']}", field="absorb") from error
+        op = reducer.commit_run_terminal(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            owner_id=owner_id,
+            fencing_token=fencing_token,
+            terminal_reason=terminal_reason,
+            parts=_parts(parts, "parts"),
+            policy_name=policy_name,
+            absorb=claims,
+            now=self._clock(),
+        )
+        return await self._run("commit_run_terminal", op, "write")
+
+    async def recover_run(
+        self,
+        *,
+        conversation_id: str,
+        run_id: str,
+        expected_revision: int,
+        action: Literal["requeue", "abandon"],
+        replay_safe: bool = False,
+        stale_owner: bool = False,
+    ) -> RecoverResult:
+        """Requeue (with replay-safe evidence) or abandon (with stale-owner evidence) an orphaned run."""
+        op = reducer.recover_run(
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            action=action,
+            replay_safe=replay_safe,
+            stale_owner=stale_owner,
+            now=self._clock(),
+        )
+        return await self._run("recover_run", op, "write")
+
+    async def replace_compacted_range(
+        self,
+        *,
+        conversation_id: str,
+        expected_version: int,
+        replaced_message_ids: Sequence[str],
+        summary: MessageDraft | Mapping[str, Any],
+    ) -> CompactionResult:
+        """Replace a contiguous settled range with one summary, at exactly ``expected_version``."""
+        op = reducer.replace_compacted_range(
+            conversation_id=conversation_id,
+            expected_version=expected_version,
+            replaced_message_ids=list(replaced_message_ids),
+            summary=_validated(MessageDraft, summary, "summary"),
+            now=self._clock(),
+        )
+        return await self._run("replace_compacted_range", op, "write")
+
+    async def seed_conversation_input(
+        self,
+        *,
+        conversation_id: str,
+        seed_key: str,
+        inputs: Sequence[MessageDraft | Mapping[str, Any]],
+        placement: Literal["lead", "after-settled"] = "lead",
+    ) -> SeedResult:
+        """Write history no run owns, exactly once per ``seed_key``."""
+        _require_text(conversation_id, "conversation_id")
+        _require_text(seed_key, "seed_key")
+        drafts = [_validated(MessageDraft, d, f"inputs[{i}]") for i, d in enumerate(inputs)]
+        op = reducer.seed_conversation_input(
+            conversation_id=conversation_id, seed_key=seed_key, inputs=drafts, placement=placement, now=self._clock()
+        )
+        return await self._run("seed_conversation_input", op, "write")
+
+    async def purge_conversation(self, *, conversation_id: str, expected_version: int | None = None) -> PurgeResult:
+        """Delete the conversation and keep a permanent tombstone (see :func:`purge_agent_conversation`)."""
+        _require_text(conversation_id, "conversation_id")
+        op = reducer.purge_conversation(conversation_id=conversation_id, expected_version=expected_version)
+        return await self._run("purge_conversation", op, "write")
+
+    # -------------------------------------------------------------------------------------- reads
+
+    async def load_snapshot(self, *, conversation_id: str) -> ConversationSnapshot:
+        """Every active message in causal order and every run. Unbounded; see :meth:`load_run`."""
+        return await self._run("load_snapshot", reducer.load_snapshot(conversation_id=conversation_id), "read")
+
+    async def load_run(self, *, conversation_id: str, run_id: str) -> LoadedRun | None:
+        """One run with the version it was read at and, once terminal, its answer. Bounded."""
+        return await self._run("load_run", reducer.load_run(conversation_id=conversation_id, run_id=run_id), "read")
+
+    async def list_active_runs(self, *, conversation_id: str) -> ActiveRuns:
+        """The conversation's runs that have not ended, in execution order. Bounded."""
+        return await self._run("list_active_runs", reducer.list_active_runs(conversation_id=conversation_id), "read")
+
+    async def scan_recoverable(self, *, cursor: str | None = None, limit: int = 100) -> RecoverablePage:
+        """One bounded page of active runs across conversations, in paging (not execution) order."""
+        return await self._run("scan_recoverable", reducer.scan_recoverable(cursor=cursor, limit=limit), "read")
+
+
+class AgentConversationReader:
+    """Paged reads for people and tools: the catalog of conversations and the history of one."""
+
+    def __init__(self, store: AgentRuntimeStore) -> None:
+        self._store = store
+
+    async def messages(
+        self,
+        conversation_id: str,
+        *,
+        limit: int = 50,
+        direction: Literal["after", "before"] = "after",
+        cursor: str | None = None,
+        include_compacted: bool = False,
+    ) -> MessagePage:
+        """One page of history in causal order (see :func:`threadline.store.reducer.page_messages`)."""
+        op = reducer.page_messages(
+            conversation_id=conversation_id,
+            limit=limit,
+            direction=direction,
+            cursor=cursor,
+            include_compacted=include_compacted,
+        )
+        return await self._store._run("conversations.messages", op, "read")
+
+    async def list(self, *, limit: int = 100, cursor: str | None = None) -> ConversationPage:
+        """One page of conversation heads ordered by id; purged conversations are absent."""
+        return await self._store._run(
+            "conversations.list", reducer.list_conversations(cursor=cursor, limit=limit), "read"
+        )
+
+
+class _Purgeable(Protocol):
+    async def purge_conversation(self, *, conversation_id: str, expected_version: int | None = None) -> PurgeResult: ...
+
+
+async def purge_agent_conversation(
+    store: object, *, conversation_id: str, expected_version: int | None = None
+) -> PurgeResult:
+    """Purge through any store: ``unsupported`` when it cannot purge (it never pretends deletion happened).
+
+    Outcomes: ``purged``, ``already_purged``, ``active`` (``run_ids`` must settle first), ``conflict``
+    (``actual_version``: make a fresh decision, do not blindly retry) or ``unsupported``.
+    """
+    purge = getattr(store, "purge_conversation", None)
+    if purge is None:
+        return PurgeResult(outcome="unsupported")
+    return await purge(conversation_id=conversation_id, expected_version=expected_version)
+
+
+def create_agent_runtime_store(driver: StoreDriver, *, clock: Callable[[], datetime] = _utcnow) -> AgentRuntimeStore:
+    """Compose the reducer with a driver. ``clock`` (UTC-aware) is injectable for tests."""
+    return AgentRuntimeStore(driver, clock=clock)

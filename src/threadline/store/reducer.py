@@ -1,0 +1,1008 @@
+"""The one place that decides store transitions and revision arithmetic.
+
+Every store operation is a pure generator: it yields the row requests of :mod:`threadline.store.driver`,
+receives their answers and returns a result or raises a typed error — it never performs I/O, reads a
+clock or makes an id (ids and ``now`` are arguments). Drivers run these generators inside their own
+transaction, so memory, SQLite and PostgreSQL stores share this logic and nothing else decides.
+
+**Constant work per mutation.** A mutation reads the conversation head, the runs it touches (or the
+active runs), the receipt for its key and the messages it changes — never the whole history. Only
+:func:`load_snapshot` reads everything, for composing a prompt or compacting.
+
+Causal order: a message gets a settled position from the head's counter when its run ends (the run's
+inputs, absorbed inputs, then its answer); ``lead`` seeds take positions in a band before everything.
+Unsettled messages (of active runs) follow the settled ones in run execution order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import (
+    AgentConversationPurgedError,
+    AgentIdempotencyConflictError,
+    AgentRecordNotFoundError,
+    AgentRecordValidationError,
+    AgentRunOrderConflictError,
+    AgentRunOwnershipConflictError,
+    AgentRunRevisionConflictError,
+    AgentRunStateConflictError,
+)
+from ..records import (
+    RUN_STATE_FOR_REASON,
+    AdmissionReceipt,
+    ConversationHead,
+    ConversationSnapshot,
+    Message,
+    MessageDraft,
+    Part,
+    Priority,
+    Run,
+    RunOperation,
+    SeedRecord,
+    Timestamp,
+    assistant_status_for,
+    run_invariant_problem,
+)
+from .driver import (
+    HeadState,
+    ListActiveRuns,
+    ListConversations,
+    LoadAllRuns,
+    LoadHead,
+    LoadHistory,
+    LoadMessages,
+    LoadReceipt,
+    LoadReceiptByInput,
+    LoadRuns,
+    LoadSeed,
+    LoadSettledRange,
+    LoadUnsettled,
+    Mutation,
+    Operation,
+    PageSettled,
+    Purge,
+    ScanActiveRuns,
+    SortKey,
+    Write,
+)
+from .results import (
+    AcceptResult,
+    ActiveRuns,
+    CompactionResult,
+    ConversationPage,
+    InterruptResult,
+    LoadedRun,
+    MessagePage,
+    PurgeResult,
+    RecoverablePage,
+    RecoverResult,
+    RunResult,
+    SeedResult,
+    TerminalResult,
+)
+
+MAX_PAGE_SIZE = 1000
+"""Upper bound of every paged read; larger requests are refused rather than silently clamped."""
+
+NON_COMMIT_REASONS = frozenset({"absorbed", "abandoned"})
+"""Reasons only the store itself assigns: absorption happens inside an absorbing terminal, abandonment
+through :func:`recover_run`."""
+
+
+@dataclass(frozen=True, slots=True)
+class AbsorbClaim:
+    """An absorbing run's claim on a queued run whose inputs it answered (``inject``). The claim holds only
+    if that run is still queued, unstarted, at ``expected_revision`` and carries exactly these inputs."""
+
+    run_id: str
+    expected_revision: int
+    input_message_ids: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _evolve(record: Run, **changes: object) -> Run:
+    run = record.model_copy(update=changes)
+    problem = run_invariant_problem(run)
+    if problem:  # a reducer bug, never user input: fail loudly before anything is written
+        raise AssertionError(f"reducer produced an inconsistent run {run.id}: {problem}")
+    return run
+
+
+def _bump(head: ConversationHead, now: Timestamp, **changes: int) -> ConversationHead:
+    return head.model_copy(update={"version": head.version + 1, "updated_at": now, **changes})
+
+
+def _stamp(mutation: Mutation) -> Mutation:
+    """Stamp every written run and message with the head version this mutation produces."""
+    assert mutation.head is not None
+    v = mutation.head.version
+    return Mutation(
+        head=mutation.head,
+        runs=tuple(r.model_copy(update={"version": v}) for r in mutation.runs),
+        messages=tuple(m.model_copy(update={"version": v}) for m in mutation.messages),
+        receipts=mutation.receipts,
+        seeds=mutation.seeds,
+    )
+
+
+def _new_head(conversation_id: str, now: Timestamp) -> ConversationHead:
+    return ConversationHead(conversation_id=conversation_id, version=0, created_at=now, updated_at=now)
+
+
+def _require_page_size(limit: int) -> None:
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise AgentRecordValidationError(
+            f"limit must be between 1 and {MAX_PAGE_SIZE}, got {limit}; page through larger reads", field="limit"
+        )
+
+
+def _live_head(state: HeadState, conversation_id: str) -> ConversationHead:
+    if state.purged:
+        raise AgentConversationPurgedError(conversation_id)
+    if state.head is None:
+        raise AgentRecordNotFoundError(f"unknown conversation {conversation_id!r}")
+    return state.head
+
+
+def _not_purged(state: HeadState, conversation_id: str) -> None:
+    if state.purged:
+        raise AgentConversationPurgedError(conversation_id)
+
+
+def _one_run(runs: list[Run], conversation_id: str, run_id: str) -> Run:
+    for run in runs:
+        if run.id == run_id:
+            return run
+    raise AgentRecordNotFoundError(f"conversation {conversation_id!r} has no run {run_id!r}")
+
+
+def _by_id(messages: Iterable[Message]) -> dict[str, Message]:
+    return {m.id: m for m in messages}
+
+
+def _check_owned(run: Run, expected_revision: int, owner_id: str, fencing_token: int, action: str) -> None:
+    """An owned mutation needs an acquired run, the same owner and token, and the expected revision."""
+    ctx = {"conversation_id": run.conversation_id, "run_id": run.id, "actual_revision": run.revision, "run": run}
+    if not run.acquired:
+        raise AgentRunStateConflictError(f"cannot {action} run {run.id!r}: it is {run.state}", **ctx)
+    if run.owner_id != owner_id or run.fencing_token != fencing_token:
+        raise AgentRunOwnershipConflictError(
+            f"cannot {action} run {run.id!r}: owned by {run.owner_id!r} with fencing token {run.fencing_token}, "
+            f"not {owner_id!r} with {fencing_token}",
+            **ctx,
+        )
+    if run.revision != expected_revision:
+        raise AgentRunRevisionConflictError(
+            f"cannot {action} run {run.id!r}: expected revision {expected_revision}, store has {run.revision}", **ctx
+        )
+
+
+def _same_input(stored: Message, proposed: MessageDraft) -> bool:
+    return stored.role == proposed.role and stored.parts == proposed.parts and stored.metadata == proposed.metadata
+
+
+def _message(
+    draft: MessageDraft,
+    conversation_id: str,
+    *,
+    status: str,
+    seq: int,
+    now: Timestamp,
+    run_id: str | None = None,
+    position: int | None = None,
+    band: str = "history",
+) -> Message:
+    return Message.model_validate(
+        {
+            "id": draft.id,
+            "conversation_id": conversation_id,
+            "role": draft.role,
+            "status": status,
+            "parts": draft.parts,
+            "run_id": run_id,
+            "metadata": draft.metadata,
+            "created_at": now,
+            "position": position,
+            "band": band,
+            "seq": seq,
+        }
+    )
+
+
+def execution_order(runs: Iterable[Run]) -> list[Run]:
+    """Active runs in durable execution order (see :attr:`Run.execution_order_key`)."""
+    return sorted((r for r in runs if r.active), key=lambda r: r.execution_order_key)
+
+
+def order_recoverable(runs: Iterable[Run]) -> list[list[Run]]:
+    """Group scanned runs by conversation and restore each conversation's execution order.
+
+    Pages of :func:`scan_recoverable` come in paging order; this is the order work must resume in:
+    started work by execution sequence, then urgent (``interrupt-next``) queued runs FIFO, then ordinary
+    queued runs FIFO — never by id, timestamp or page boundary.
+    """
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.conversation_id, []).append(run)
+    return [execution_order(groups[cid]) for cid in sorted(groups)]
+
+
+def _unsettled_key(message: Message, rank: dict[str, tuple[int, int, int]]) -> SortKey:
+    order = rank.get(message.run_id or "", (9, 0, 0))
+    return (2, order[0], order[1], 1 if message.role == "assistant" else 0, message.seq)
+
+
+def causal_order(messages: Iterable[Message], active_runs: Iterable[Run]) -> list[Message]:
+    """Messages in causal order: settled ones by position, then those of active runs by execution order
+    (inside a run, inputs before the assistant)."""
+    rank = {run.id: run.execution_order_key for run in active_runs if run.active}
+    settled, unsettled = [], []
+    for m in messages:
+        (settled if m.position is not None else unsettled).append(m)
+    settled.sort(key=lambda m: m.sort_key)
+    unsettled.sort(key=lambda m: _unsettled_key(m, rank))
+    return settled + unsettled
+
+
+def _settle(head: ConversationHead, messages: Sequence[Message]) -> tuple[ConversationHead, list[Message]]:
+    """Give ``messages`` the next settled positions, in the order given."""
+    position = head.settled_position
+    settled = []
+    for m in messages:
+        if m.position is not None:
+            settled.append(m)
+            continue
+        position += 1
+        settled.append(m.model_copy(update={"position": position}))
+    return head.model_copy(update={"settled_position": position}), settled
+
+
+# ---------------------------------------------------------------------------------------- admission
+
+
+def accept_input_and_assign_run(
+    *,
+    conversation_id: str,
+    idempotency_key: str,
+    input: MessageDraft,
+    run_id: str,
+    assistant_message_id: str,
+    priority: Priority = "ordinary",
+    input_policy: str = "queue",
+    coalesce: bool = False,
+    now: Timestamp,
+) -> Operation[AcceptResult]:
+    """Commit the input, its admission receipt and its queued run — or coalesce the input into the single
+    queued ordinary successor — in one transaction. A repeated key returns the original receipt."""
+    if input.role != "user":
+        raise AgentRecordValidationError("an admitted input has role 'user'", field="input.role")
+    state: HeadState = yield LoadHead(conversation_id)
+    _not_purged(state, conversation_id)
+    receipt: AdmissionReceipt | None = yield LoadReceipt(conversation_id, idempotency_key)
+    if receipt is not None:
+        if not _same_input(receipt.input, input):
+            raise AgentIdempotencyConflictError(
+                f"idempotency key {idempotency_key!r} was already used for different input; use a new key",
+                conversation_id=conversation_id,
+            )
+        assert state.head is not None
+        return (yield from _duplicate(receipt, state.head.version))
+    if (yield LoadReceiptByInput(conversation_id, input.id)) is not None or (
+        yield LoadMessages(conversation_id, (input.id,))
+    ):
+        raise AgentIdempotencyConflictError(
+            f"input message id {input.id!r} already exists under another idempotency key; reuse that key or a new id",
+            conversation_id=conversation_id,
+        )
+    head = state.head or _new_head(conversation_id, now)
+    active: list[Run] = yield ListActiveRuns(conversation_id)
+    target = None
+    if coalesce and priority == "ordinary":
+        candidates = [
+            r for r in active if r.state == "queued" and r.priority == "ordinary" and r.execution_sequence is None
+        ]
+        target = max(candidates, key=lambda r: r.admission_sequence, default=None)
+    if target is None and (yield LoadRuns(conversation_id, (run_id,))):
+        raise AgentIdempotencyConflictError(
+            f"run id {run_id!r} already exists in conversation {conversation_id!r}", conversation_id=conversation_id
+        )
+
+    seq = head.message_seq + 1
+    head = _bump(head, now, message_seq=seq)
+    if target is not None:
+        run = _evolve(
+            target,
+            revision=target.revision + 1,
+            input_message_ids=(*target.input_message_ids, input.id),
+            updated_at=now,
+        )
+    else:
+        head = head.model_copy(update={"admission_seq": head.admission_seq + 1})
+        run = Run(
+            id=run_id,
+            conversation_id=conversation_id,
+            state="queued",
+            revision=1,
+            input_message_ids=(input.id,),
+            assistant_message_id=assistant_message_id,
+            priority=priority,
+            input_policy=input_policy,
+            admission_sequence=head.admission_seq,
+            created_at=now,
+            updated_at=now,
+        )
+    message = _message(input, conversation_id, status="committed", seq=seq, now=now, run_id=run.id)
+    new_receipt = AdmissionReceipt(
+        conversation_id=conversation_id,
+        idempotency_key=idempotency_key,
+        input=message,
+        run_id=run.id,
+        assistant_message_id=run.assistant_message_id,
+        version=head.version,
+        created_at=now,
+    )
+    message = message.model_copy(update={"version": head.version})
+    new_receipt = new_receipt.model_copy(update={"input": message})
+    w = _stamp(Mutation(head=head, runs=(run,), messages=(message,), receipts=(new_receipt,)))
+    yield Write(w)
+    return AcceptResult(
+        outcome="accepted", receipt=new_receipt, run=w.runs[0], version=head.version, coalesced=target is not None
+    )
+
+
+def _duplicate(receipt: AdmissionReceipt, version: int) -> Operation[AcceptResult]:
+    loaded = yield from _load_answer(receipt.conversation_id, receipt.run_id)
+    if loaded is None:  # a receipt always has its run; a missing one is a damaged store
+        raise AgentRecordNotFoundError(f"receipt names run {receipt.run_id!r}, which the store does not hold")
+    run, answer = loaded
+    return AcceptResult(
+        outcome="duplicate",
+        receipt=receipt,
+        run=run,
+        version=version,
+        answer=answer,
+        answered_by_run_id=run.absorbed_into_run_id or (run.id if answer is not None else None),
+    )
+
+
+def _load_answer(conversation_id: str, run_id: str) -> Operation[tuple[Run, Message | None] | None]:
+    runs: list[Run] = yield LoadRuns(conversation_id, (run_id,))
+    if not runs:
+        return None
+    run = runs[0]
+    if not run.terminal:
+        return run, None
+    answering = run
+    if run.absorbed_into_run_id is not None:
+        found: list[Run] = yield LoadRuns(conversation_id, (run.absorbed_into_run_id,))
+        if not found:
+            return run, None
+        answering = found[0]
+    messages: list[Message] = yield LoadMessages(conversation_id, (answering.assistant_message_id,))
+    return run, (messages[0] if messages else None)
+
+
+# ----------------------------------------------------------------------------------- owned mutations
+
+
+def acquire_run(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    owner_id: str,
+    now: Timestamp,
+    lease_expires_at: Timestamp | None = None,
+) -> Operation[RunResult]:
+    """Take ownership of a queued run: verifies no other run is acquired and that this run is first in
+    execution order, then increments its revision and fencing token."""
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    active: list[Run] = yield ListActiveRuns(conversation_id)
+    ordered = execution_order(active)
+    run = next((r for r in ordered if r.id == run_id), None)
+    if run is None:
+        run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    ctx = {"conversation_id": conversation_id, "run_id": run_id, "actual_revision": run.revision, "run": run}
+    if run.state != "queued":
+        raise AgentRunStateConflictError(f"cannot acquire run {run_id!r}: it is {run.state}", **ctx)
+    if run.revision != expected_revision:
+        raise AgentRunRevisionConflictError(
+            f"cannot acquire run {run_id!r}: expected revision {expected_revision}, store has {run.revision}", **ctx
+        )
+    blocking = next((r for r in ordered if r.acquired), None) or ordered[0]
+    if blocking.id != run_id:
+        raise AgentRunOrderConflictError(
+            f"cannot acquire run {run_id!r}: run {blocking.id!r} ({blocking.state}) goes first", **ctx
+        )
+    execution_sequence = run.execution_sequence
+    if execution_sequence is None:
+        execution_sequence = head.execution_seq + 1
+        head = head.model_copy(update={"execution_seq": execution_sequence})
+    head = _bump(head, now)
+    acquired = _evolve(
+        run,
+        state="running",
+        revision=run.revision + 1,
+        fencing_token=run.fencing_token + 1,
+        owner_id=owner_id,
+        execution_sequence=execution_sequence,
+        lease_expires_at=lease_expires_at,
+        acquired_at=now,
+        updated_at=now,
+    )
+    w = _stamp(Mutation(head=head, runs=(acquired,)))
+    yield Write(w)
+    return RunResult(run=w.runs[0], version=head.version)
+
+
+def checkpoint_run_assistant(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    owner_id: str,
+    fencing_token: int,
+    parts: Sequence[Part],
+    now: Timestamp,
+) -> Operation[RunResult]:
+    """Write the run's streaming assistant draft. Verifies owner, fencing token and revision."""
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    _check_owned(run, expected_revision, owner_id, fencing_token, "checkpoint")
+    existing: list[Message] = yield LoadMessages(conversation_id, (run.assistant_message_id,))
+    if existing:
+        draft = existing[0].model_copy(update={"parts": tuple(parts), "status": "streaming"})
+        head = _bump(head, now)
+    else:
+        head = _bump(head, now, message_seq=head.message_seq + 1)
+        draft = Message(
+            id=run.assistant_message_id,
+            conversation_id=conversation_id,
+            role="assistant",
+            status="streaming",
+            parts=tuple(parts),
+            run_id=run.id,
+            created_at=now,
+            seq=head.message_seq,
+        )
+    updated = _evolve(run, revision=run.revision + 1, updated_at=now)
+    w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
+    yield Write(w)
+    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0])
+
+
+def record_run_operation(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    owner_id: str,
+    fencing_token: int,
+    operation: RunOperation,
+    now: Timestamp,
+) -> Operation[RunResult]:
+    """Durably record the run's ``last_operation`` phase (a model request is admitted by this write)."""
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    _check_owned(run, expected_revision, owner_id, fencing_token, "record an operation on")
+    head = _bump(head, now)
+    updated = _evolve(run, revision=run.revision + 1, last_operation=operation, updated_at=now)
+    w = _stamp(Mutation(head=head, runs=(updated,)))
+    yield Write(w)
+    return RunResult(run=w.runs[0], version=head.version)
+
+
+def renew_run_lease(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    owner_id: str,
+    fencing_token: int,
+    lease_expires_at: Timestamp,
+    now: Timestamp,
+) -> Operation[RunResult]:
+    """Extend the owner's lease on an acquired run."""
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    _check_owned(run, expected_revision, owner_id, fencing_token, "renew the lease of")
+    head = _bump(head, now)
+    updated = _evolve(run, revision=run.revision + 1, lease_expires_at=lease_expires_at, updated_at=now)
+    w = _stamp(Mutation(head=head, runs=(updated,)))
+    yield Write(w)
+    return RunResult(run=w.runs[0], version=head.version)
+
+
+def request_run_interrupt(
+    *, conversation_id: str, run_id: str, expected_revision: int | None = None, now: Timestamp
+) -> Operation[InterruptResult]:
+    """Durably ask an acquired run to stop (``running`` -> ``interrupt_requested``). Its executor commits
+    the terminal; a queued or terminal run is reported, not changed."""
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    if run.terminal:
+        return InterruptResult(outcome="terminal", run=run, version=head.version)
+    if expected_revision is not None and run.revision != expected_revision:
+        raise AgentRunRevisionConflictError(
+            f"cannot interrupt run {run_id!r}: expected revision {expected_revision}, store has {run.revision}",
+            conversation_id=conversation_id,
+            run_id=run_id,
+            actual_revision=run.revision,
+            run=run,
+        )
+    if run.state == "queued":
+        return InterruptResult(outcome="queued", run=run, version=head.version)
+    if run.state == "interrupt_requested":
+        return InterruptResult(outcome="already_requested", run=run, version=head.version)
+    head = _bump(head, now)
+    updated = _evolve(run, state="interrupt_requested", revision=run.revision + 1, updated_at=now)
+    w = _stamp(Mutation(head=head, runs=(updated,)))
+    yield Write(w)
+    return InterruptResult(outcome="requested", run=w.runs[0], version=head.version)
+
+
+def commit_run_terminal(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    owner_id: str,
+    fencing_token: int,
+    terminal_reason: str,
+    now: Timestamp,
+    parts: Sequence[Part] | None = None,
+    policy_name: str | None = None,
+    absorb: Sequence[AbsorbClaim] = (),
+) -> Operation[TerminalResult]:
+    """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
+    and — only for a completed run — absorbs the claimed queued runs in the same transaction.
+
+    ``parts=None`` keeps the last checkpointed draft. A run that is already terminal is returned as
+    ``already_terminal`` (the caller lost; it must not publish a terminal event). A claim whose queued run
+    moved (for example an input coalesced into it after the last step boundary) is cancelled and reported
+    in ``absorption_cancelled``: that run will answer its inputs itself.
+    """
+    if terminal_reason in NON_COMMIT_REASONS:
+        raise AgentRecordValidationError(
+            f"terminal_reason {terminal_reason!r} is assigned by the store; use recover_run to abandon",
+            field="terminal_reason",
+        )
+    if terminal_reason not in RUN_STATE_FOR_REASON:
+        raise AgentRecordValidationError(f"unknown terminal_reason {terminal_reason!r}", field="terminal_reason")
+    if terminal_reason == "policy_stop" and not policy_name:
+        raise AgentRecordValidationError("a policy_stop terminal names its policy_name", field="policy_name")
+    claim_ids = [claim.run_id for claim in absorb]
+    if len(set(claim_ids)) != len(claim_ids):
+        raise AgentRecordValidationError("absorb names each run at most once", field="absorb")
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    if run.terminal:
+        loaded = yield from _load_answer(conversation_id, run_id)
+        assert loaded is not None
+        return TerminalResult(outcome="already_terminal", run=loaded[0], assistant=loaded[1], version=head.version)
+    _check_owned(run, expected_revision, owner_id, fencing_token, "commit the terminal of")
+
+    state = RUN_STATE_FOR_REASON[terminal_reason]
+    claims = list(absorb) if state == "completed" else []
+    claimed: list[Run] = (yield LoadRuns(conversation_id, tuple(c.run_id for c in claims))) if claims else []
+    claimed_by_id = {r.id: r for r in claimed}
+    absorbed: list[Run] = []
+    cancelled: list[str] = [c.run_id for c in absorb] if state != "completed" else []
+    for claim in claims:
+        target = claimed_by_id.get(claim.run_id)
+        if (
+            target is None
+            or target.state != "queued"
+            or target.execution_sequence is not None
+            or target.revision != claim.expected_revision
+            or target.input_message_ids != claim.input_message_ids
+        ):
+            cancelled.append(claim.run_id)
+        else:
+            absorbed.append(target)
+
+    absorbed_inputs = tuple(mid for r in absorbed for mid in r.input_message_ids)
+    absorbed_ids = {r.id for r in absorbed}
+    wanted = (*run.input_message_ids, *absorbed_inputs, run.assistant_message_id)
+    found = _by_id((yield LoadMessages(conversation_id, wanted)))
+    seq = head.message_seq
+    assistant = found.get(run.assistant_message_id)
+    status = assistant_status_for(terminal_reason)
+    final_parts = tuple(parts) if parts is not None else (assistant.parts if assistant else ())
+    # a join marker stands only for an absorption that holds
+    final_parts = tuple(p for p in final_parts if p.type != "input-joined" or p.run_id in absorbed_ids)
+    if assistant is None:
+        seq += 1
+        assistant = Message(
+            id=run.assistant_message_id,
+            conversation_id=conversation_id,
+            role="assistant",
+            status=status,  # type: ignore[arg-type]
+            parts=final_parts,
+            run_id=run.id,
+            created_at=now,
+            seq=seq,
+        )
+    else:
+        assistant = assistant.model_copy(update={"status": status, "parts": final_parts})
+    inputs = [found[mid] for mid in (*run.input_message_ids, *absorbed_inputs) if mid in found]
+    head, settled = _settle(head.model_copy(update={"message_seq": seq}), [*inputs, assistant])
+    head = _bump(head, now)
+    final = _evolve(
+        run,
+        state=state,
+        terminal_reason=terminal_reason,
+        policy_name=policy_name,
+        revision=run.revision + 1,
+        absorbed_run_ids=tuple(r.id for r in absorbed),
+        lease_expires_at=None,
+        terminal_at=now,
+        updated_at=now,
+    )
+    absorbed_final = tuple(
+        _evolve(
+            r,
+            state="superseded",
+            terminal_reason="absorbed",
+            absorbed_into_run_id=run.id,
+            revision=r.revision + 1,
+            terminal_at=now,
+            updated_at=now,
+        )
+        for r in absorbed
+    )
+    w = _stamp(Mutation(head=head, runs=(final, *absorbed_final), messages=tuple(settled)))
+    yield Write(w)
+    return TerminalResult(
+        outcome="committed",
+        run=w.runs[0],
+        assistant=w.messages[-1],
+        version=head.version,
+        absorbed_runs=w.runs[1:],
+        absorption_cancelled=tuple(cancelled),
+    )
+
+
+def recover_run(
+    *,
+    conversation_id: str,
+    run_id: str,
+    expected_revision: int,
+    action: Literal["requeue", "abandon"],
+    now: Timestamp,
+    replay_safe: bool = False,
+    stale_owner: bool = False,
+) -> Operation[RecoverResult]:
+    """Settle an orphaned run with explicit evidence: ``requeue`` an acquired run (needs ``replay_safe``)
+    so it runs again first in order, or ``abandon`` an active run (needs ``stale_owner``): the run ends
+    ``abandoned`` with a failed assistant, removed from recovery."""
+    if action == "requeue" and not replay_safe:
+        raise AgentRecordValidationError("requeue needs replay_safe=True evidence", field="replay_safe")
+    if action == "abandon" and not stale_owner:
+        raise AgentRecordValidationError("abandon needs stale_owner=True evidence", field="stale_owner")
+    if action not in ("requeue", "abandon"):
+        raise AgentRecordValidationError(f"unknown recovery action {action!r}", field="action")
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
+    ctx = {"conversation_id": conversation_id, "run_id": run_id, "actual_revision": run.revision, "run": run}
+    if run.terminal or (action == "requeue" and not run.acquired):
+        raise AgentRunStateConflictError(f"cannot {action} run {run_id!r}: it is {run.state}", **ctx)
+    if run.revision != expected_revision:
+        raise AgentRunRevisionConflictError(
+            f"cannot {action} run {run_id!r}: expected revision {expected_revision}, store has {run.revision}", **ctx
+        )
+    if action == "requeue":
+        head = _bump(head, now)
+        requeued = _evolve(
+            run, state="queued", owner_id=None, lease_expires_at=None, revision=run.revision + 1, updated_at=now
+        )
+        w = _stamp(Mutation(head=head, runs=(requeued,)))
+        yield Write(w)
+        return RecoverResult(outcome="requeued", run=w.runs[0], assistant=None, version=head.version)
+
+    found = _by_id((yield LoadMessages(conversation_id, (*run.input_message_ids, run.assistant_message_id))))
+    seq = head.message_seq
+    assistant = found.get(run.assistant_message_id)
+    if assistant is None:
+        seq += 1
+        assistant = Message(
+            id=run.assistant_message_id,
+            conversation_id=conversation_id,
+            role="assistant",
+            status="failed",
+            run_id=run.id,
+            created_at=now,
+            seq=seq,
+        )
+    else:
+        assistant = assistant.model_copy(update={"status": "failed"})
+    inputs = [found[mid] for mid in run.input_message_ids if mid in found]
+    head, settled = _settle(head.model_copy(update={"message_seq": seq}), [*inputs, assistant])
+    head = _bump(head, now)
+    final = _evolve(
+        run,
+        state="abandoned",
+        terminal_reason="abandoned",
+        revision=run.revision + 1,
+        lease_expires_at=None,
+        terminal_at=now,
+        updated_at=now,
+    )
+    w = _stamp(Mutation(head=head, runs=(final,), messages=tuple(settled)))
+    yield Write(w)
+    return RecoverResult(outcome="abandoned", run=w.runs[0], assistant=w.messages[-1], version=head.version)
+
+
+# ------------------------------------------------------------------------------ history no run owns
+
+
+def replace_compacted_range(
+    *,
+    conversation_id: str,
+    expected_version: int,
+    replaced_message_ids: Sequence[str],
+    summary: MessageDraft,
+    now: Timestamp,
+) -> Operation[CompactionResult]:
+    """Replace one contiguous range of settled, active history with a ``summary`` message at the exact
+    snapshot version. A moved version is a ``conflict`` outcome and nothing is written."""
+    ids = tuple(replaced_message_ids)
+    if not ids or len(set(ids)) != len(ids):
+        raise AgentRecordValidationError(
+            "replaced_message_ids is a non-empty list of distinct ids", field="replaced_message_ids"
+        )
+    if summary.role != "summary":
+        raise AgentRecordValidationError("the replacement message has role 'summary'", field="summary.role")
+    head = _live_head((yield LoadHead(conversation_id)), conversation_id)
+    if head.version != expected_version:
+        return CompactionResult(outcome="conflict", version=head.version)
+    found = _by_id((yield LoadMessages(conversation_id, (*ids, summary.id))))
+    if summary.id in found:
+        raise AgentIdempotencyConflictError(
+            f"summary id {summary.id!r} already exists; use a new id", conversation_id=conversation_id
+        )
+    missing = [mid for mid in ids if mid not in found]
+    if missing:
+        raise AgentRecordNotFoundError(f"conversation {conversation_id!r} has no messages {missing}")
+    replaced = [found[mid] for mid in ids]
+    for m in replaced:
+        if not m.active or m.position is None or m.band != "history":
+            raise AgentRecordValidationError(
+                f"message {m.id!r} is not active settled history (compacted, still in an active run, or a lead seed)",
+                field="replaced_message_ids",
+            )
+        if m.status in ("superseded", "streaming"):
+            raise AgentRecordValidationError(
+                f"message {m.id!r} is {m.status}; superseded and unfinished turns are never compacted",
+                field="replaced_message_ids",
+            )
+    lo = min(m.position for m in replaced)  # type: ignore[type-var]
+    hi = max(m.position for m in replaced)  # type: ignore[type-var]
+    between: list[Message] = yield LoadSettledRange(conversation_id, lo, hi)
+    if {m.id for m in between} != set(ids):
+        raise AgentRecordValidationError(
+            "replaced_message_ids is not one contiguous range of active settled history", field="replaced_message_ids"
+        )
+    seq = head.message_seq + 1
+    head = _bump(head, now, message_seq=seq)
+    written = _message(summary, conversation_id, status="committed", seq=seq, now=now, position=hi)
+    inactive = tuple(m.model_copy(update={"active": False, "compacted_by": written.id}) for m in replaced)
+    w = _stamp(Mutation(head=head, messages=(*inactive, written)))
+    yield Write(w)
+    return CompactionResult(outcome="applied", version=head.version, summary=w.messages[-1], replaced_message_ids=ids)
+
+
+def seed_conversation_input(
+    *,
+    conversation_id: str,
+    seed_key: str,
+    inputs: Sequence[MessageDraft],
+    now: Timestamp,
+    placement: Literal["lead", "after-settled"] = "lead",
+) -> Operation[SeedResult]:
+    """Write messages no run owns, exactly once per ``seed_key``. ``lead``: user/system instructions before
+    the whole conversation. ``after-settled``: a user/assistant exchange that happened without a model,
+    placed after settled history and before any active run's messages."""
+    allowed = {"lead": {"user", "system"}, "after-settled": {"user", "assistant"}}.get(placement)
+    if allowed is None:
+        raise AgentRecordValidationError(
+            f"unknown placement {placement!r}; use 'lead' or 'after-settled'", field="placement"
+        )
+    if not inputs:
+        raise AgentRecordValidationError("inputs is a non-empty list of messages", field="inputs")
+    for i, draft in enumerate(inputs):
+        if draft.role not in allowed:
+            raise AgentRecordValidationError(
+                f"a {placement} seed holds {sorted(allowed)} messages, not {draft.role!r}", field=f"inputs[{i}].role"
+            )
+    ids = tuple(d.id for d in inputs)
+    if len(set(ids)) != len(ids):
+        raise AgentRecordValidationError("seeded message ids are distinct", field="inputs")
+    state: HeadState = yield LoadHead(conversation_id)
+    _not_purged(state, conversation_id)
+    seed: SeedRecord | None = yield LoadSeed(conversation_id, seed_key)
+    if seed is not None:
+        assert state.head is not None
+        return SeedResult(outcome="duplicate", version=state.head.version, message_ids=seed.message_ids)
+    if (yield LoadMessages(conversation_id, ids)):
+        raise AgentIdempotencyConflictError(
+            f"a seeded message id already exists in {conversation_id!r}", conversation_id=conversation_id
+        )
+    head = state.head or _new_head(conversation_id, now)
+    seq, counter = head.message_seq, head.lead_position if placement == "lead" else head.settled_position
+    messages = []
+    for draft in inputs:
+        seq += 1
+        counter += 1
+        status = "completed" if draft.role == "assistant" else "committed"
+        band = "lead" if placement == "lead" else "history"
+        messages.append(_message(draft, conversation_id, status=status, seq=seq, now=now, position=counter, band=band))
+    counters = {"lead_position" if placement == "lead" else "settled_position": counter}
+    head = _bump(head, now, message_seq=seq, **counters)
+    record = SeedRecord(
+        conversation_id=conversation_id,
+        seed_key=seed_key,
+        placement=placement,
+        message_ids=ids,
+        version=head.version,
+        created_at=now,
+    )
+    yield Write(_stamp(Mutation(head=head, messages=tuple(messages), seeds=(record,))))
+    return SeedResult(outcome="seeded", version=head.version, message_ids=ids)
+
+
+def purge_conversation(*, conversation_id: str, expected_version: int | None = None) -> Operation[PurgeResult]:
+    """Delete everything the conversation owns and keep a permanent tombstone, unless a run is active or
+    ``expected_version`` is stale. An unknown id is tombstoned too, so it can never be created later."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.purged:
+        return PurgeResult(outcome="already_purged")
+    version = state.head.version if state.head else 0
+    if expected_version is not None and expected_version != version:
+        return PurgeResult(outcome="conflict", actual_version=version)
+    if state.head is not None:
+        active: list[Run] = yield ListActiveRuns(conversation_id)
+        if active:
+            return PurgeResult(outcome="active", run_ids=tuple(r.id for r in execution_order(active)))
+    yield Purge(conversation_id)
+    return PurgeResult(outcome="purged")
+
+
+# -------------------------------------------------------------------------------------------- reads
+
+
+def load_snapshot(*, conversation_id: str) -> Operation[ConversationSnapshot]:
+    """The whole active history in causal order and every run. Unbounded: use it to compose a prompt or
+    to compact, not to look one run up."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return ConversationSnapshot(conversation_id=conversation_id)
+    messages: list[Message] = yield LoadHistory(conversation_id)
+    runs: list[Run] = yield LoadAllRuns(conversation_id)
+    ordered_runs = sorted(runs, key=lambda r: r.execution_order_key if r.active else (-1, r.admission_sequence, 0))
+    return ConversationSnapshot(
+        conversation_id=conversation_id,
+        version=state.head.version,
+        messages=tuple(causal_order(messages, runs)),
+        runs=tuple(ordered_runs),
+    )
+
+
+def load_run(*, conversation_id: str, run_id: str) -> Operation[LoadedRun | None]:
+    """One run, the version it was read at and, once terminal, its answer. Bounded: reads no history."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return None
+    loaded = yield from _load_answer(conversation_id, run_id)
+    if loaded is None:
+        return None
+    return LoadedRun(run=loaded[0], version=state.head.version, assistant=loaded[1])
+
+
+def list_active_runs(*, conversation_id: str) -> Operation[ActiveRuns]:
+    """The runs of one conversation that have not ended, in execution order. Bounded."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return ActiveRuns(conversation_id=conversation_id, version=0, runs=())
+    runs: list[Run] = yield ListActiveRuns(conversation_id)
+    return ActiveRuns(conversation_id=conversation_id, version=state.head.version, runs=tuple(execution_order(runs)))
+
+
+def _decode_cursor(cursor: str | None, arity: int, what: str) -> list[object] | None:
+    if cursor is None:
+        return None
+    try:
+        value = json.loads(cursor)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or len(value) < arity:
+        raise AgentRecordValidationError(
+            f"malformed {what} cursor {cursor!r}; pass back a cursor the store returned", field="cursor"
+        )
+    return value
+
+
+def scan_recoverable(*, cursor: str | None = None, limit: int = 100) -> Operation[RecoverablePage]:
+    """One bounded page of active runs across conversations (purged ones excluded). Paging order only:
+    restore execution order with :func:`order_recoverable` before acquiring anything."""
+    _require_page_size(limit)
+    after = _decode_cursor(cursor, 2, "recovery")
+    runs: list[Run] = yield ScanActiveRuns((str(after[0]), str(after[1])) if after else None, limit)
+    next_cursor = json.dumps([runs[-1].conversation_id, runs[-1].id]) if len(runs) == limit else None
+    return RecoverablePage(runs=tuple(runs), next_cursor=next_cursor)
+
+
+def list_conversations(*, cursor: str | None = None, limit: int = 100) -> Operation[ConversationPage]:
+    _require_page_size(limit)
+    after = _decode_cursor(cursor, 1, "conversation")
+    heads: list[ConversationHead] = yield ListConversations(str(after[0]) if after else None, limit)
+    next_cursor = json.dumps([heads[-1].conversation_id]) if len(heads) == limit else None
+    return ConversationPage(items=tuple(heads), next_cursor=next_cursor)
+
+
+def page_messages(
+    *,
+    conversation_id: str,
+    limit: int = 50,
+    direction: Literal["after", "before"] = "after",
+    cursor: str | None = None,
+    include_compacted: bool = False,
+) -> Operation[MessagePage]:
+    """One page of history in the order it happened. ``after`` pages forward from the cursor (from the
+    start when None); ``before`` pages backward (from the newest when None); items are always in causal
+    order. Settled history pages stably; the live tail of active runs follows it. With
+    ``include_compacted`` the replaced messages are included and named in ``compacted``."""
+    _require_page_size(limit)
+    if direction not in ("after", "before"):
+        raise AgentRecordValidationError("direction is 'after' or 'before'", field="direction")
+    raw = _decode_cursor(cursor, 1, "message")
+    if raw is not None and not all(type(x) is int for x in raw):
+        raise AgentRecordValidationError(
+            f"malformed message cursor {cursor!r}; pass back a cursor the store returned", field="cursor"
+        )
+    key: SortKey | None = tuple(raw) if raw is not None else None  # type: ignore[arg-type]
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return MessagePage(items=())
+
+    def tail() -> Operation[list[tuple[SortKey, Message]]]:
+        messages: list[Message] = yield LoadUnsettled(conversation_id)
+        if not messages:
+            return []
+        runs: list[Run] = yield ListActiveRuns(conversation_id)
+        rank = {r.id: r.execution_order_key for r in runs}
+        return sorted(((_unsettled_key(m, rank), m) for m in messages), key=lambda pair: pair[0])
+
+    items: list[tuple[SortKey, Message]]
+    if direction == "after":
+        items = []
+        if key is None or key[0] < 2:
+            settled: list[Message] = yield PageSettled(conversation_id, "after", key, limit + 1, include_compacted)
+            items = [(m.sort_key, m) for m in settled]
+        if len(items) <= limit:
+            items += [(k, m) for k, m in (yield from tail()) if key is None or k > key]
+        page = items[:limit]
+        more = len(items) > limit
+    else:
+        items = [(k, m) for k, m in (yield from tail()) if key is None or k < key]
+        items.reverse()
+        if len(items) <= limit:
+            settled_cursor = key if key is not None and key[0] < 2 else None
+            older: list[Message] = yield PageSettled(
+                conversation_id, "before", settled_cursor, limit + 1, include_compacted
+            )
+            items += [(m.sort_key, m) for m in older]
+        page = list(reversed(items[:limit]))
+        more = len(items) > limit
+    next_key = (page[-1][0] if direction == "after" else page[0][0]) if page and more else None
+    return MessagePage(
+        items=tuple(m for _, m in page),
+        compacted=tuple(m.id for _, m in page if not m.active),
+        next_cursor=json.dumps(list(next_key)) if next_key is not None else None,
+    )

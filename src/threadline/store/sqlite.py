@@ -1,0 +1,926 @@
+"""The embedded driver (default): stdlib ``sqlite3`` in WAL mode, one dedicated thread per connection.
+
+Every store operation is one job on the connection's worker thread: ``BEGIN IMMEDIATE`` (writes) or
+``BEGIN`` (reads), the whole reducer operation through :func:`~threadline.store.driver.drive_sync`, then
+``COMMIT`` — or ``ROLLBACK`` on any exception, so a failed call writes nothing. One thread hop and at
+most one commit per operation; the event loop never touches the connection.
+
+The schema lives only in objects named ``threadline_*``; an application may keep its own tables (and
+``PRAGMA user_version``) in the same file. Records are stored as their JSON, beside the few columns the
+queries index. Busy is never waited for (``busy_timeout=0``): a write that meets another connection's
+write lock raises :class:`~threadline.errors.AgentStoreBusyError` at once, having written nothing.
+
+Usage::
+
+    async with create_sqlite_agent_runtime_store(filename="threadline.db") as sqlite:
+        await sqlite.store.accept_input_and_assign_run(...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from ..errors import (
+    AgentConversationPurgedError,
+    AgentRecordValidationError,
+    AgentStoreBusyError,
+    AgentStoreCorruptRecordError,
+    AgentStoreSchemaError,
+    AgentStoreUnavailableError,
+)
+from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
+from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
+from .driver import (
+    Access,
+    HeadState,
+    ListActiveRuns,
+    ListConversations,
+    LoadAllRuns,
+    LoadHead,
+    LoadHistory,
+    LoadMessages,
+    LoadReceipt,
+    LoadReceiptByInput,
+    LoadRuns,
+    LoadSeed,
+    LoadSettledRange,
+    LoadUnsettled,
+    Operation,
+    OperationStats,
+    PageSettled,
+    Purge,
+    ScanActiveRuns,
+    Write,
+    drive_sync,
+)
+
+__all__ = [
+    "SQLITE_SCHEMA_VERSION",
+    "SqliteAgentRuntimeStoreHandle",
+    "SqliteStoreDriver",
+    "create_sqlite_agent_runtime_store",
+]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+SQLITE_SCHEMA_VERSION = 1
+"""The version of the ``threadline_*`` table layout this driver reads and writes."""
+
+MAX_SEARCH_LIMIT = 1000
+
+_SYNCHRONOUS = ("NORMAL", "FULL")
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+_SQLITE_CONSTRAINT_TRIGGER = 1811  # SQLITE_CONSTRAINT | (7 << 8): RAISE(ABORT) in a trigger
+_CHUNK = 500  # ids per IN (...) list, well under SQLite's variable limit
+_CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
+_CACHE_MAX_ROW = 16 * 1024
+_INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
+
+# ------------------------------------------------------------------------------------------------ schema
+
+# The text parts of a message body, joined by spaces: what the full-text index holds.
+_TEXT_OF = (
+    "(SELECT group_concat(json_extract(p.value, '$.text'), ' ') FROM json_each({body}, '$.parts') AS p "
+    "WHERE json_extract(p.value, '$.type') = 'text')"
+)
+
+_GUARDED = ("conversations", "runs", "messages", "admissions", "seeds")
+
+_TABLES: dict[str, str] = {
+    "threadline_meta": "CREATE TABLE threadline_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    "threadline_conversations": (
+        "CREATE TABLE threadline_conversations ("
+        "conversation_id TEXT PRIMARY KEY, version INTEGER NOT NULL, body TEXT NOT NULL) WITHOUT ROWID"
+    ),
+    "threadline_tombstones": (
+        "CREATE TABLE threadline_tombstones (conversation_id TEXT PRIMARY KEY, purged_at TEXT NOT NULL) WITHOUT ROWID"
+    ),
+    "threadline_runs": (
+        "CREATE TABLE threadline_runs ("
+        "conversation_id TEXT NOT NULL, run_id TEXT NOT NULL, active INTEGER NOT NULL, body TEXT NOT NULL, "
+        "PRIMARY KEY (conversation_id, run_id))"
+    ),
+    # row_id is an explicit INTEGER PRIMARY KEY so VACUUM never renumbers it: the full-text rows use it.
+    "threadline_messages": (
+        "CREATE TABLE threadline_messages ("
+        "row_id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL, message_id TEXT NOT NULL, "
+        "band_rank INTEGER NOT NULL, position INTEGER, sub INTEGER NOT NULL, seq INTEGER NOT NULL, "
+        "active INTEGER NOT NULL, body TEXT NOT NULL, UNIQUE (conversation_id, message_id))"
+    ),
+    "threadline_admissions": (
+        "CREATE TABLE threadline_admissions ("
+        "conversation_id TEXT NOT NULL, idempotency_key TEXT NOT NULL, input_message_id TEXT NOT NULL, "
+        "body TEXT NOT NULL, PRIMARY KEY (conversation_id, idempotency_key))"
+    ),
+    "threadline_seeds": (
+        "CREATE TABLE threadline_seeds ("
+        "conversation_id TEXT NOT NULL, seed_key TEXT NOT NULL, body TEXT NOT NULL, "
+        "PRIMARY KEY (conversation_id, seed_key))"
+    ),
+    "threadline_message_fts": (
+        "CREATE VIRTUAL TABLE threadline_message_fts USING fts5(text, conversation_id UNINDEXED, message_id UNINDEXED)"
+    ),
+}
+
+_INDEXES: dict[str, str] = {
+    "threadline_runs_active": (
+        "CREATE INDEX threadline_runs_active ON threadline_runs (conversation_id, run_id) WHERE active = 1"
+    ),
+    "threadline_messages_settled": (
+        "CREATE INDEX threadline_messages_settled ON threadline_messages "
+        "(conversation_id, band_rank, position, sub, seq, active) WHERE position IS NOT NULL"
+    ),
+    "threadline_messages_unsettled": (
+        "CREATE INDEX threadline_messages_unsettled ON threadline_messages (conversation_id) WHERE position IS NULL"
+    ),
+    "threadline_admissions_input": (
+        "CREATE UNIQUE INDEX threadline_admissions_input ON threadline_admissions (conversation_id, input_message_id)"
+    ),
+}
+
+_TRIGGERS: dict[str, str] = {
+    **{
+        f"threadline_{table}_purged_guard": (
+            f"CREATE TRIGGER threadline_{table}_purged_guard BEFORE INSERT ON threadline_{table} "
+            "WHEN EXISTS (SELECT 1 FROM threadline_tombstones WHERE conversation_id = NEW.conversation_id) "
+            "BEGIN SELECT RAISE(ABORT, 'threadline: the conversation was purged; it accepts no rows'); END"
+        )
+        for table in _GUARDED
+    },
+    # The full-text index follows settled messages. An unsettled draft (checkpoints) costs nothing here;
+    # compaction flips ``active`` without touching the text, so it does not reindex either.
+    "threadline_messages_fts_insert": (
+        "CREATE TRIGGER threadline_messages_fts_insert AFTER INSERT ON threadline_messages "
+        "WHEN NEW.position IS NOT NULL BEGIN "
+        "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
+        f"VALUES (NEW.row_id, {_TEXT_OF.format(body='NEW.body')}, NEW.conversation_id, NEW.message_id); END"
+    ),
+    "threadline_messages_fts_update": (
+        "CREATE TRIGGER threadline_messages_fts_update AFTER UPDATE OF body ON threadline_messages "
+        "WHEN (OLD.position IS NOT NULL OR NEW.position IS NOT NULL) AND (OLD.position IS NULL "
+        "OR NEW.position IS NULL OR json_extract(OLD.body, '$.parts') IS NOT json_extract(NEW.body, '$.parts')) "
+        "BEGIN "
+        "DELETE FROM threadline_message_fts WHERE OLD.position IS NOT NULL AND rowid = OLD.row_id; "
+        "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
+        f"SELECT NEW.row_id, {_TEXT_OF.format(body='NEW.body')}, NEW.conversation_id, NEW.message_id "
+        "WHERE NEW.position IS NOT NULL; END"
+    ),
+    "threadline_messages_fts_delete": (
+        "CREATE TRIGGER threadline_messages_fts_delete AFTER DELETE ON threadline_messages "
+        "WHEN OLD.position IS NOT NULL BEGIN "
+        "DELETE FROM threadline_message_fts WHERE rowid = OLD.row_id; END"
+    ),
+}
+
+_REQUIRED: dict[str, str] = {**_TABLES, **_INDEXES, **_TRIGGERS}
+
+# ------------------------------------------------------------------------------------------- statements
+
+_HEAD = "SELECT body FROM threadline_conversations WHERE conversation_id = ?"
+_TOMBSTONE = "SELECT 1 FROM threadline_tombstones WHERE conversation_id = ?"
+_RUN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id = ?"
+_RUNS_IN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id IN ({})"
+_ACTIVE_RUNS = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND active = 1 ORDER BY run_id"
+_ALL_RUNS = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? ORDER BY rowid"
+_RECEIPT = "SELECT idempotency_key, body FROM threadline_admissions WHERE conversation_id = ? AND idempotency_key = ?"
+_RECEIPT_BY_INPUT = (
+    "SELECT idempotency_key, body FROM threadline_admissions WHERE conversation_id = ? AND input_message_id = ?"
+)
+_MESSAGE = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND message_id = ?"
+_MESSAGES_IN = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND message_id IN ({})"
+_SETTLED_RANGE = (
+    "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND band_rank = 1 "
+    "AND position IS NOT NULL AND position BETWEEN ? AND ? AND active = 1 ORDER BY position, sub, seq"
+)
+_SEED = "SELECT seed_key, body FROM threadline_seeds WHERE conversation_id = ? AND seed_key = ?"
+_HISTORY = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND active = 1"
+_UNSETTLED = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND position IS NULL"
+_SCAN = (
+    "SELECT conversation_id, run_id, body FROM threadline_runs AS r WHERE active = 1 {after}"
+    "AND NOT EXISTS (SELECT 1 FROM threadline_tombstones AS t WHERE t.conversation_id = r.conversation_id) "
+    "ORDER BY conversation_id, run_id LIMIT ?"
+)
+_SCAN_FIRST = _SCAN.format(after="")
+_SCAN_AFTER = _SCAN.format(after="AND (conversation_id, run_id) > (?, ?) ")
+_CONVERSATIONS_FIRST = "SELECT conversation_id, body FROM threadline_conversations ORDER BY conversation_id LIMIT ?"
+_CONVERSATIONS_AFTER = (
+    "SELECT conversation_id, body FROM threadline_conversations WHERE conversation_id > ? "
+    "ORDER BY conversation_id LIMIT ?"
+)
+_UPSERT_HEAD = (
+    "INSERT INTO threadline_conversations (conversation_id, version, body) VALUES (?, ?, ?) "
+    "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body"
+)
+_UPSERT_RUN = (
+    "INSERT INTO threadline_runs (conversation_id, run_id, active, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (conversation_id, run_id) DO UPDATE SET active = excluded.active, body = excluded.body"
+)
+_UPSERT_MESSAGE = (
+    "INSERT INTO threadline_messages (conversation_id, message_id, band_rank, position, sub, seq, active, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
+    "band_rank = excluded.band_rank, position = excluded.position, sub = excluded.sub, seq = excluded.seq, "
+    "active = excluded.active, body = excluded.body"
+)
+_INSERT_RECEIPT = (
+    "INSERT INTO threadline_admissions (conversation_id, idempotency_key, input_message_id, body) VALUES (?, ?, ?, ?)"
+)
+_INSERT_SEED = "INSERT INTO threadline_seeds (conversation_id, seed_key, body) VALUES (?, ?, ?)"
+_PURGE = (
+    "DELETE FROM threadline_messages WHERE conversation_id = ?",
+    "DELETE FROM threadline_runs WHERE conversation_id = ?",
+    "DELETE FROM threadline_admissions WHERE conversation_id = ?",
+    "DELETE FROM threadline_seeds WHERE conversation_id = ?",
+    "DELETE FROM threadline_conversations WHERE conversation_id = ?",
+)
+_INSERT_TOMBSTONE = "INSERT INTO threadline_tombstones (conversation_id, purged_at) VALUES (?, ?)"
+_SEARCH = (
+    "SELECT m.message_id, m.body FROM threadline_message_fts AS f "
+    "JOIN threadline_messages AS m ON m.row_id = f.rowid "
+    "WHERE threadline_message_fts MATCH ? AND f.conversation_id = ? AND m.conversation_id = ? "
+    "ORDER BY f.rank LIMIT ?"
+)
+_SORT_COLUMNS = ("band_rank", "position", "sub", "seq")
+
+# ------------------------------------------------------------------------------------------ error mapping
+
+
+def _is_busy(error: sqlite3.Error) -> bool:
+    code = getattr(error, "sqlite_errorcode", None)
+    return (
+        isinstance(error, sqlite3.OperationalError)
+        and code is not None
+        and code & 0xFF
+        in (
+            _SQLITE_BUSY,
+            _SQLITE_LOCKED,
+        )
+    )
+
+
+def _map_error(error: sqlite3.Error, filename: str) -> Exception | None:
+    """The typed error for a sqlite3 failure, by exception type and result code (never message text);
+    ``None`` for programming errors, which propagate as they are."""
+    code = getattr(error, "sqlite_errorcode", None)
+    name = getattr(error, "sqlite_errorname", None) or type(error).__name__
+    if _is_busy(error):
+        return AgentStoreBusyError(
+            f"{filename}: another connection holds the database lock ({name}); nothing was written, retry"
+        )
+    primary = code & 0xFF if code is not None else None
+    if primary in (_SQLITE_NOTADB, _SQLITE_CORRUPT):
+        return AgentStoreUnavailableError(f"{filename}: the file is not a usable SQLite database ({name})")
+    if isinstance(error, sqlite3.OperationalError | sqlite3.InternalError):
+        return AgentStoreUnavailableError(f"{filename}: SQLite failed ({name}): {error}")
+    if type(error) is sqlite3.DatabaseError:
+        return AgentStoreUnavailableError(f"{filename}: SQLite failed ({name}): {error}")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+def _decode(model: type[M], body: object, where: str) -> M:
+    """Read one stored record. A malformed or foreign body is a corrupt record; an unknown
+    ``schema_version`` propagates as :class:`~threadline.errors.AgentRecordSchemaVersionError`."""
+    try:
+        if not isinstance(body, str | bytes):
+            raise TypeError(f"body is {type(body).__name__}, not JSON text")
+        return model.model_validate_json(body)
+    except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
+        raise AgentStoreCorruptRecordError(
+            f"cannot read the row as a {model.__name__}: {_first_line(error)}", where=where
+        ) from error
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return " ".join(lines[:3]) if lines else type(error).__name__
+
+
+def _foreign(model: str, where: str, expected: str, found: str) -> AgentStoreCorruptRecordError:
+    return AgentStoreCorruptRecordError(f"the {model} in this row belongs to {found!r}, not {expected!r}", where=where)
+
+
+class _RecordCache:
+    """Decoded records keyed by their exact stored JSON, so a row this connection wrote or read before is
+    not validated again. Decoding is deterministic, and only deeply immutable records are kept (runs,
+    heads, seed records: frozen, with tuples, strings, numbers and datetimes only) — messages and receipts
+    hold JSON containers a caller could mutate, so they are decoded fresh on every read. Bounded by size."""
+
+    def __init__(self, budget: int = _CACHE_BUDGET) -> None:
+        self.budget = budget
+        self.used = 0
+        self.by_model: dict[type[BaseModel], dict[object, BaseModel]] = {
+            Run: {},
+            ConversationHead: {},
+            SeedRecord: {},
+        }
+
+    def get(self, model: type[M], body: object, where: Callable[[], str]) -> M:
+        table = self.by_model.get(model)
+        if table is None:
+            return _decode(model, body, where())
+        record = table.get(body)
+        if record is None:
+            record = _decode(model, body, where())
+            self._put(table, body, record)
+        return record  # type: ignore[return-value]
+
+    def remember(self, record: BaseModel, body: str) -> None:
+        table = self.by_model.get(type(record))
+        if table is not None:
+            self._put(table, body, record)
+
+    def _put(self, table: dict[object, BaseModel], body: object, record: BaseModel) -> None:
+        size = len(body) if isinstance(body, str | bytes) else 0
+        if size > _CACHE_MAX_ROW:
+            return
+        if self.used + size > self.budget:
+            for t in self.by_model.values():
+                t.clear()
+            self.used = 0
+        if body not in table:
+            table[body] = record
+            self.used += size
+
+
+def _clamp(value: int) -> int:
+    return _INT64_MAX if value > _INT64_MAX else _INT64_MIN if value < _INT64_MIN else value
+
+
+def _cursor_condition(cursor: Sequence[int], direction: Literal["after", "before"]) -> tuple[str, list[int]]:
+    """A row-value condition with exactly Python's tuple-comparison semantics against ``Message.sort_key``
+    (cursors from callers may be shorter or longer than the four sort columns)."""
+    values = [_clamp(int(v)) for v in cursor]
+    n = len(values)
+    if n == 4 or n < 4:
+        op = ">=" if direction == "after" else "<"
+    else:  # equal prefix: the shorter key (ours) is smaller
+        values = values[:4]
+        n = 4
+        op = ">" if direction == "after" else "<="
+    columns = ", ".join(_SORT_COLUMNS[:n])
+    marks = ", ".join("?" * n)
+    return f" AND ({columns}) {op} ({marks})", values
+
+
+def _chunks(ids: Sequence[str]) -> Iterable[Sequence[str]]:
+    for start in range(0, len(ids), _CHUNK):
+        yield ids[start : start + _CHUNK]
+
+
+# ------------------------------------------------------------------------------------------------- rows
+
+
+class _SqliteRows:
+    """The :class:`~threadline.store.driver.SyncRows` primitives over one connection (worker thread only)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.writable = False
+        self.cache = _RecordCache()
+
+    # ------------------------------------------------------------------ decoding rows of one table
+
+    def _runs(self, conversation_id: str, rows: Iterable[tuple[str, str]]) -> list[Run]:
+        out = []
+        get = self.cache.get
+        for run_id, body in rows:
+            run = get(Run, body, lambda r=run_id: f"threadline_runs conversation_id={conversation_id} run_id={r}")
+            if run.id != run_id or run.conversation_id != conversation_id:
+                where = f"threadline_runs conversation_id={conversation_id} run_id={run_id}"
+                raise _foreign("Run", where, f"{conversation_id}/{run_id}", f"{run.conversation_id}/{run.id}")
+            out.append(run)
+        return out
+
+    def _messages(self, conversation_id: str, rows: Iterable[tuple[str, str]]) -> list[Message]:
+        out = []
+        get = self.cache.get
+        for message_id, body in rows:
+            message = get(
+                Message,
+                body,
+                lambda m=message_id: f"threadline_messages conversation_id={conversation_id} message_id={m}",
+            )
+            if message.id != message_id or message.conversation_id != conversation_id:
+                where = f"threadline_messages conversation_id={conversation_id} message_id={message_id}"
+                raise _foreign(
+                    "Message", where, f"{conversation_id}/{message_id}", f"{message.conversation_id}/{message.id}"
+                )
+            out.append(message)
+        return out
+
+    def _head(self, conversation_id: str, body: str) -> ConversationHead:
+        def where() -> str:
+            return f"threadline_conversations conversation_id={conversation_id}"
+
+        head = self.cache.get(ConversationHead, body, where)
+        if head.conversation_id != conversation_id:
+            raise _foreign("ConversationHead", where(), conversation_id, head.conversation_id)
+        return head
+
+    def _receipt(self, conversation_id: str, row: tuple[str, str] | None) -> AdmissionReceipt | None:
+        if row is None:
+            return None
+        key, body = row
+
+        def where() -> str:
+            return f"threadline_admissions conversation_id={conversation_id} idempotency_key={key}"
+
+        receipt = self.cache.get(AdmissionReceipt, body, where)
+        if receipt.conversation_id != conversation_id or receipt.idempotency_key != key:
+            raise _foreign(
+                "AdmissionReceipt",
+                where(),
+                f"{conversation_id}/{key}",
+                f"{receipt.conversation_id}/{receipt.idempotency_key}",
+            )
+        return receipt
+
+    # ------------------------------------------------------------------------------- the primitives
+
+    def load_head(self, r: LoadHead) -> HeadState:
+        row = self.conn.execute(_HEAD, (r.conversation_id,)).fetchone()
+        if row is not None:
+            return HeadState(self._head(r.conversation_id, row[0]))
+        purged = self.conn.execute(_TOMBSTONE, (r.conversation_id,)).fetchone() is not None
+        return HeadState(None, purged=purged)
+
+    def load_runs(self, r: LoadRuns) -> list[Run]:
+        cid = r.conversation_id
+        if len(r.run_ids) == 1:
+            return self._runs(cid, self.conn.execute(_RUN, (cid, r.run_ids[0])).fetchall())
+        found: dict[str, Run] = {}
+        for chunk in _chunks(tuple(dict.fromkeys(r.run_ids))):
+            sql = _RUNS_IN.format(", ".join("?" * len(chunk)))
+            found.update((run.id, run) for run in self._runs(cid, self.conn.execute(sql, (cid, *chunk)).fetchall()))
+        return [found[i] for i in r.run_ids if i in found]
+
+    def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
+        return self._runs(r.conversation_id, self.conn.execute(_ACTIVE_RUNS, (r.conversation_id,)).fetchall())
+
+    def load_all_runs(self, r: LoadAllRuns) -> list[Run]:
+        return self._runs(r.conversation_id, self.conn.execute(_ALL_RUNS, (r.conversation_id,)).fetchall())
+
+    def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None:
+        row = self.conn.execute(_RECEIPT, (r.conversation_id, r.idempotency_key)).fetchone()
+        return self._receipt(r.conversation_id, row)
+
+    def load_receipt_by_input(self, r: LoadReceiptByInput) -> AdmissionReceipt | None:
+        row = self.conn.execute(_RECEIPT_BY_INPUT, (r.conversation_id, r.input_message_id)).fetchone()
+        return self._receipt(r.conversation_id, row)
+
+    def load_messages(self, r: LoadMessages) -> list[Message]:
+        cid = r.conversation_id
+        ids = tuple(dict.fromkeys(r.message_ids))
+        if len(ids) == 1:
+            return self._messages(cid, self.conn.execute(_MESSAGE, (cid, ids[0])).fetchall())
+        found: dict[str, Message] = {}
+        for chunk in _chunks(ids):
+            sql = _MESSAGES_IN.format(", ".join("?" * len(chunk)))
+            rows = self.conn.execute(sql, (cid, *chunk)).fetchall()
+            found.update((m.id, m) for m in self._messages(cid, rows))
+        return [found[i] for i in ids if i in found]
+
+    def load_settled_range(self, r: LoadSettledRange) -> list[Message]:
+        lo, hi = _clamp(r.lo), _clamp(r.hi)
+        return self._messages(r.conversation_id, self.conn.execute(_SETTLED_RANGE, (r.conversation_id, lo, hi)))
+
+    def load_seed(self, r: LoadSeed) -> SeedRecord | None:
+        row = self.conn.execute(_SEED, (r.conversation_id, r.seed_key)).fetchone()
+        if row is None:
+            return None
+        where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={row[0]}"
+        seed = self.cache.get(SeedRecord, row[1], lambda: where)
+        if seed.conversation_id != r.conversation_id or seed.seed_key != r.seed_key:
+            raise _foreign(
+                "SeedRecord", where, f"{r.conversation_id}/{r.seed_key}", f"{seed.conversation_id}/{seed.seed_key}"
+            )
+        return seed
+
+    def load_history(self, r: LoadHistory) -> list[Message]:
+        return self._messages(r.conversation_id, self.conn.execute(_HISTORY, (r.conversation_id,)))
+
+    def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
+        return self._messages(r.conversation_id, self.conn.execute(_UNSETTLED, (r.conversation_id,)))
+
+    def page_settled(self, r: PageSettled) -> list[Message]:
+        sql = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND position IS NOT NULL"
+        params: list[object] = [r.conversation_id]
+        if not r.include_inactive:
+            sql += " AND active = 1"
+        if r.cursor is not None:
+            condition, values = _cursor_condition(r.cursor, r.direction)
+            sql += condition
+            params.extend(values)
+        order = "ASC" if r.direction == "after" else "DESC"
+        sql += " ORDER BY " + ", ".join(f"{c} {order}" for c in _SORT_COLUMNS) + " LIMIT ?"
+        params.append(r.limit)
+        return self._messages(r.conversation_id, self.conn.execute(sql, params))
+
+    def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]:
+        if r.after is None:
+            rows = self.conn.execute(_SCAN_FIRST, (r.limit,)).fetchall()
+        else:
+            rows = self.conn.execute(_SCAN_AFTER, (r.after[0], r.after[1], r.limit)).fetchall()
+        out: list[Run] = []
+        for cid, run_id, body in rows:
+            out.extend(self._runs(cid, ((run_id, body),)))
+        return out
+
+    def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
+        if r.after is None:
+            rows = self.conn.execute(_CONVERSATIONS_FIRST, (r.limit,))
+        else:
+            rows = self.conn.execute(_CONVERSATIONS_AFTER, (r.after, r.limit))
+        return [self._head(cid, body) for cid, body in rows]
+
+    def _encode(self, record: BaseModel) -> str:
+        body = record.model_dump_json()
+        self.cache.remember(record, body)  # the next read of this row needs no validation
+        return body
+
+    def write(self, r: Write) -> None:
+        if not self.writable:
+            raise AssertionError("a read operation wrote")
+        m = r.mutation
+        if m.head is None:
+            raise AssertionError("every mutation writes the conversation head")
+        cid = m.head.conversation_id
+        conn = self.conn
+        encode = self._encode
+        try:
+            conn.execute(_UPSERT_HEAD, (cid, m.head.version, encode(m.head)))
+            if m.runs:
+                runs = [(run.conversation_id, run.id, 1 if run.active else 0, encode(run)) for run in m.runs]
+                if len(runs) == 1:
+                    conn.execute(_UPSERT_RUN, runs[0])
+                else:
+                    conn.executemany(_UPSERT_RUN, runs)
+            if m.messages:
+                messages = [
+                    (
+                        msg.conversation_id,
+                        msg.id,
+                        0 if msg.band == "lead" else 1,
+                        msg.position,
+                        1 if msg.role == "summary" else 0,
+                        msg.seq,
+                        1 if msg.active else 0,
+                        encode(msg),
+                    )
+                    for msg in m.messages
+                ]
+                if len(messages) == 1:
+                    conn.execute(_UPSERT_MESSAGE, messages[0])
+                else:
+                    conn.executemany(_UPSERT_MESSAGE, messages)
+            if m.receipts:
+                conn.executemany(
+                    _INSERT_RECEIPT,
+                    [(x.conversation_id, x.idempotency_key, x.input.id, encode(x)) for x in m.receipts],
+                )
+            if m.seeds:
+                conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
+        except sqlite3.IntegrityError as error:
+            if getattr(error, "sqlite_errorcode", None) == _SQLITE_CONSTRAINT_TRIGGER:
+                # only the purge guards RAISE in a threadline trigger: a writer that did not see the tombstone
+                raise AgentConversationPurgedError(cid) from error
+            raise
+
+    def purge(self, r: Purge) -> None:
+        if not self.writable:
+            raise AssertionError("a read operation purged")
+        cid = (r.conversation_id,)
+        for sql in _PURGE:
+            self.conn.execute(sql, cid)
+        # purged_at is informational wall-clock time; the reducer decided the purge
+        self.conn.execute(_INSERT_TOMBSTONE, (r.conversation_id, datetime.now(UTC).isoformat()))
+
+    def search(self, conversation_id: str, query: str, limit: int) -> list[Message]:
+        rows = self.conn.execute(_SEARCH, (query, conversation_id, conversation_id, limit)).fetchall()
+        return self._messages(conversation_id, rows)
+
+
+# ----------------------------------------------------------------------------------------- worker thread
+
+
+def _deliver(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the awaiting task was cancelled; the transaction already committed or rolled back
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _fts5_available(conn: sqlite3.Connection) -> bool:
+    """Whether this SQLite has FTS5: the compile option, else a probe in the temp schema."""
+    try:
+        if conn.execute("SELECT sqlite_compileoption_used('ENABLE_FTS5')").fetchone()[0]:
+            return True
+        conn.execute("CREATE VIRTUAL TABLE temp.threadline_fts5_probe USING fts5(x)")
+        conn.execute("DROP TABLE temp.threadline_fts5_probe")
+        return True
+    except sqlite3.OperationalError:
+        return False
+
+
+class SqliteStoreDriver:
+    """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection on its own thread."""
+
+    def __init__(
+        self,
+        filename: str,
+        *,
+        synchronous: str = "NORMAL",
+    ) -> None:
+        self.filename = filename
+        self._synchronous = synchronous
+        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._close_future: asyncio.Future[None] | None = None
+        self._init_error: BaseException | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name=f"threadline-sqlite:{os.path.basename(filename)}", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if self._init_error is not None:
+            error, self._init_error = self._init_error, None
+            self._thread.join()
+            self._closed = True
+            raise error
+
+    # ------------------------------------------------------------------------------ worker side
+
+    def _main(self, ready: threading.Event) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = sqlite3.connect(self.filename, timeout=0, isolation_level=None, cached_statements=256)
+            self._initialize(conn)
+        except BaseException as error:
+            if conn is not None:
+                conn.close()
+            if isinstance(error, sqlite3.Error):
+                mapped = _map_error(error, self.filename)
+                if isinstance(mapped, AgentStoreUnavailableError) and _is_notadb(error):
+                    mapped = AgentStoreSchemaError(
+                        f"{self.filename} is not a SQLite database (SQLITE_NOTADB); threadline will not touch it"
+                    )
+                if mapped is not None:
+                    mapped.__cause__ = error
+                    error = mapped
+            self._init_error = error
+            ready.set()
+            return
+        self._rows = _SqliteRows(conn)
+        ready.set()
+        get = self._jobs.get
+        while True:
+            fn, args, loop, future = get()
+            if fn is None:  # close: every job accepted before it has run
+                try:
+                    conn.close()
+                    ok, value = True, None
+                except BaseException as error:
+                    ok, value = False, error
+                _post(loop, future, ok, value)
+                return
+            try:
+                value = fn(*args)
+                ok = True
+            except BaseException as error:
+                value = error
+                ok = False
+            _post(loop, future, ok, value)
+            del fn, args, loop, future, value
+
+    def _initialize(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA busy_timeout = 0")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() not in ("wal", "memory"):
+            raise AgentStoreUnavailableError(
+                f"{self.filename}: SQLite refused WAL journal mode (got {mode!r}); threadline needs WAL"
+            )
+        conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+        if not _fts5_available(conn):
+            raise AgentStoreSchemaError(
+                f"threadline requires SQLite built with FTS5 (SQLite {sqlite3.sqlite_version} at "
+                f"{sqlite3.__file__} has no ENABLE_FTS5); use a Python whose sqlite3 includes FTS5"
+            )
+        conn.execute("BEGIN")
+        try:
+            present = self._inspect(conn)
+        finally:
+            conn.execute("COMMIT")
+        if present:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not self._inspect(conn):  # still empty under the write lock: create everything at once
+                for sql in _REQUIRED.values():
+                    conn.execute(sql)
+                conn.execute(
+                    "INSERT INTO threadline_meta (key, value) VALUES ('schema_version', ?)",
+                    (str(SQLITE_SCHEMA_VERSION),),
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _inspect(self, conn: sqlite3.Connection) -> bool:
+        """True when a complete schema of this version exists, False when no threadline object exists;
+        otherwise :class:`AgentStoreSchemaError`."""
+        names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE name GLOB 'threadline_*'")}
+        if not names:
+            return False
+        if "threadline_meta" not in names:
+            raise AgentStoreSchemaError(f"{self.filename}: partial threadline schema: missing threadline_meta")
+        row = conn.execute("SELECT value FROM threadline_meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            raise AgentStoreSchemaError(
+                f"{self.filename}: partial threadline schema: missing threadline_meta schema_version"
+            )
+        if row[0] != str(SQLITE_SCHEMA_VERSION):
+            raise AgentStoreSchemaError(
+                f"{self.filename}: threadline schema version {row[0]!r} is not supported; this threadline supports "
+                f"schema version {SQLITE_SCHEMA_VERSION}. Use the threadline release that wrote this database."
+            )
+        missing = [name for name in _REQUIRED if name not in names]
+        if missing:
+            raise AgentStoreSchemaError(f"{self.filename}: partial threadline schema: missing {', '.join(missing)}")
+        return True
+
+    def _transaction(self, operation: Operation[T], access: Access, stats: OperationStats) -> T:
+        conn = self._rows.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE" if access == "write" else "BEGIN")
+            self._rows.writable = access == "write"
+            result = drive_sync(operation, self._rows, stats)
+            conn.execute("COMMIT")
+            return result
+        except BaseException as error:
+            operation.close()
+            self._rollback(conn)
+            if isinstance(error, sqlite3.Error):
+                mapped = _map_error(error, self.filename)
+                if mapped is not None:
+                    raise mapped from error
+            raise
+        finally:
+            self._rows.writable = False
+
+    def _search(self, conversation_id: str, query: str, limit: int) -> list[Message]:
+        conn = self._rows.conn
+        try:
+            conn.execute("BEGIN")
+            found = self._rows.search(conversation_id, query, limit)
+            conn.execute("COMMIT")
+            return found
+        except BaseException as error:
+            self._rollback(conn)
+            if isinstance(error, sqlite3.OperationalError) and getattr(error, "sqlite_errorcode", None) == 1:
+                # SQLITE_ERROR from a fixed, valid statement: the caller's FTS5 query does not parse
+                raise AgentRecordValidationError(
+                    f"query is not a valid FTS5 query: {error}; quote words with double quotes", field="query"
+                ) from error
+            if isinstance(error, sqlite3.Error):
+                mapped = _map_error(error, self.filename)
+                if mapped is not None:
+                    raise mapped from error
+            raise
+
+    @staticmethod
+    def _rollback(conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            # the original error is what matters; a failed ROLLBACK leaves SQLite to abort the transaction
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+
+    # ------------------------------------------------------------------------------ loop side
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
+            self._jobs.put((fn, args, loop, future))
+        return future
+
+    async def run(self, operation: Operation[T], *, access: Access, stats: OperationStats) -> T:
+        return await self._submit(self._transaction, operation, access, stats)
+
+    async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
+        if not isinstance(conversation_id, str) or not conversation_id:
+            raise AgentRecordValidationError("conversation_id is a non-empty string", field="conversation_id")
+        if not isinstance(query, str) or not query.strip():
+            raise AgentRecordValidationError("query is a non-empty FTS5 query string", field="query")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SEARCH_LIMIT:
+            raise AgentRecordValidationError(
+                f"limit must be between 1 and {MAX_SEARCH_LIMIT}, got {limit!r}", field="limit"
+            )
+        return await self._submit(self._search, conversation_id, query, limit)
+
+    async def aclose(self) -> None:
+        """Let every accepted job finish, close the connection and stop the thread. Idempotent."""
+        with self._lock:
+            future = self._close_future
+            if future is None and not self._closed:
+                loop = asyncio.get_running_loop()
+                future = self._close_future = loop.create_future()
+                self._closed = True
+                self._jobs.put((None, (), loop, future))
+        if future is None:
+            return
+        if future.get_loop() is asyncio.get_running_loop():
+            await asyncio.shield(future)
+        else:
+            await asyncio.to_thread(self._thread.join)
+        self._thread.join()
+
+
+def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop was closed: nobody is waiting any more
+        loop.call_soon_threadsafe(_deliver, future, ok, value)
+
+
+def _is_notadb(error: sqlite3.Error) -> bool:
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == _SQLITE_NOTADB
+
+
+# ----------------------------------------------------------------------------------------------- handle
+
+
+class SqliteAgentRuntimeStoreHandle:
+    """An open SQLite store: ``store`` (the :class:`AgentRuntimeStore`), ``conversations`` (its paged
+    reader), full-text :meth:`search_messages`, and :meth:`close`. Also an async context manager."""
+
+    def __init__(self, driver: SqliteStoreDriver, store: AgentRuntimeStore) -> None:
+        self.driver = driver
+        self.store = store
+        self.conversations: AgentConversationReader = store.conversations
+        self.filename = driver.filename
+
+    async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
+        """Settled messages of one conversation whose text matches the FTS5 ``query``, best match first.
+        A purged or unknown conversation has none. ``limit`` is 1..1000."""
+        return await self.driver.search_messages(conversation_id, query, limit)
+
+    async def close(self) -> None:
+        """Finish accepted operations, then close the connection. Later calls raise
+        :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent."""
+        await self.store.aclose()
+
+    async def __aenter__(self) -> SqliteAgentRuntimeStoreHandle:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<SqliteAgentRuntimeStoreHandle {self.filename!r}>"
+
+
+def create_sqlite_agent_runtime_store(
+    filename: str | os.PathLike[str],
+    *,
+    synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+    clock: Callable[[], datetime] | None = None,
+) -> SqliteAgentRuntimeStoreHandle:
+    """Open (creating if needed) the threadline schema in ``filename`` and return a handle.
+
+    ``synchronous='NORMAL'`` (default) survives process crashes; ``'FULL'`` also survives power loss at
+    the cost of an fsync per commit. Raises :class:`~threadline.errors.AgentStoreSchemaError` for an
+    unknown, partial or foreign schema (or a SQLite without FTS5), and
+    :class:`~threadline.errors.AgentStoreUnavailableError` when the file cannot be opened.
+    """
+    if not isinstance(synchronous, str) or synchronous.upper() not in _SYNCHRONOUS:
+        raise AgentRecordValidationError(f"synchronous is 'NORMAL' or 'FULL', got {synchronous!r}", field="synchronous")
+    driver = SqliteStoreDriver(os.fspath(filename), synchronous=synchronous.upper())
+    store = create_agent_runtime_store(driver) if clock is None else create_agent_runtime_store(driver, clock=clock)
+    return SqliteAgentRuntimeStoreHandle(driver, store)

@@ -1,0 +1,145 @@
+"""Every store driver passes the same contract suite (DESIGN §4, §6).
+
+Each conformance case is its own test item per driver (``test_case[memory-duplicate_admission]``), so a
+failure names the driver and the contract. ``run_agent_store_conformance`` itself is checked end to end
+on the memory driver, and against a deliberately broken driver to show the suite catches it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import AsyncIterator, Generator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from threadline.store import (
+    AgentRuntimeStore,
+    MemoryStoreDriver,
+    create_agent_runtime_store,
+    create_memory_agent_runtime_store,
+)
+from threadline.store.conformance import (
+    CONFORMANCE_CASES,
+    AgentStoreConformanceError,
+    StoreFactory,
+    run_agent_store_conformance,
+)
+from threadline.store.driver import Access, Operation, OperationStats, Write
+
+
+@asynccontextmanager
+async def memory_store() -> AsyncIterator[AgentRuntimeStore]:
+    store = create_memory_agent_runtime_store()
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def sqlite_factory(tmp_path: Path) -> StoreFactory:
+    """A factory of fresh SQLite stores, one database file per call."""
+    try:
+        from threadline.store.sqlite import create_sqlite_agent_runtime_store
+    except ModuleNotFoundError as error:
+        if error.name != "threadline.store.sqlite":
+            raise
+        pytest.skip("threadline.store.sqlite is not available yet")
+    counter = itertools.count()
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[AgentRuntimeStore]:
+        handle: Any = create_sqlite_agent_runtime_store(filename=tmp_path / f"store-{next(counter)}.db")
+        if inspect.isawaitable(handle) and not hasattr(handle, "__aenter__"):
+            handle = await handle
+        async with handle as entered:
+            target = entered if entered is not None else handle
+            yield target if isinstance(target, AgentRuntimeStore) else target.store
+
+    return factory
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+    if request.param == "memory":
+        return memory_store
+    return sqlite_factory(tmp_path)
+
+
+@pytest.mark.parametrize("case_name", list(CONFORMANCE_CASES))
+async def test_case(store_factory: StoreFactory, case_name: str) -> None:
+    async with store_factory() as store:
+        await CONFORMANCE_CASES[case_name](store)
+
+
+def test_every_case_names_its_contract() -> None:
+    for name, case in CONFORMANCE_CASES.items():
+        assert case.__doc__ and len(case.__doc__.split()) >= 10, f"case {name!r} has no contract docstring"
+
+
+async def test_run_agent_store_conformance_on_memory() -> None:
+    report = await run_agent_store_conformance(memory_store)
+    assert report.ok
+    assert report.passed == list(CONFORMANCE_CASES)
+    assert report.failures == []
+
+
+async def test_only_selects_cases_and_rejects_unknown_names() -> None:
+    report = await run_agent_store_conformance(memory_store, only=["duplicate_admission", "terminal_race"])
+    assert report.passed == ["duplicate_admission", "terminal_race"]
+    with pytest.raises(ValueError, match="no_such_case"):
+        await run_agent_store_conformance(memory_store, only=["no_such_case"])
+
+
+def _drop_run_updates(operation: Operation[Any], known: set[tuple[str, str]]) -> Generator[Any, Any, Any]:
+    """Pass every request through, but strip rows of runs already written once: new runs are stored,
+    later transitions of them (acquire, checkpoint, terminal, ...) are silently lost."""
+    answer: Any = None
+    try:
+        while True:
+            request = operation.send(answer)
+            if isinstance(request, Write):
+                runs = tuple(r for r in request.mutation.runs if (r.conversation_id, r.id) not in known)
+                known.update((r.conversation_id, r.id) for r in runs)
+                request = Write(replace(request.mutation, runs=runs))
+            answer = yield request
+    except StopIteration as done:
+        return done.value
+
+
+class RunUpdateDroppingDriver(MemoryStoreDriver):
+    """A broken memory driver whose writes store new runs but silently drop updates to existing ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._known: set[tuple[str, str]] = set()
+
+    async def run(self, operation: Operation[Any], *, access: Access, stats: OperationStats) -> Any:
+        return await super().run(_drop_run_updates(operation, self._known), access=access, stats=stats)
+
+
+@asynccontextmanager
+async def broken_store() -> AsyncIterator[AgentRuntimeStore]:
+    store = create_agent_runtime_store(RunUpdateDroppingDriver())
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_a_driver_that_drops_run_updates_fails() -> None:
+    with pytest.raises(AgentStoreConformanceError) as caught:
+        await run_agent_store_conformance(broken_store)
+    report = caught.value.report
+    assert isinstance(caught.value, AssertionError)
+    assert not report.ok
+    must_catch = ("coalesced_admission", "stale_checkpoint", "terminal_race", "interrupt_then_terminal", "absorption")
+    for name in must_catch:
+        assert name in report.failed, f"{name} should catch a driver that drops run updates"
+        assert f"FAILED {name}:" in str(caught.value)
+    assert set(report.passed) | set(report.failed) == set(CONFORMANCE_CASES)
+    assert all(f.traceback and f.name in str(caught.value) for f in report.failures)

@@ -1,0 +1,296 @@
+"""Lifecycle: submit validation, duplicates, durable interrupt racing completion, close budgets, recovery,
+resume and store failures around execution."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from threadline import (
+    AgentRecordValidationError,
+    AgentRuntimeClosedError,
+    AgentRunUnsettledError,
+    AgentStoreUnavailableError,
+)
+from threadline.models import AgentModelUnavailableError
+
+from .conftest import Script, answer_text, make_runtime, submit
+
+
+def hanging_script(*, cooperative: bool = True) -> tuple[Script, asyncio.Event, asyncio.Event]:
+    """Call 0 streams "partial" then waits for ``release``; a non-cooperative one ignores cancellation
+    until released. Later calls echo."""
+    script = Script()
+    release = asyncio.Event()
+    streamed = asyncio.Event()
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield "partial"
+            streamed.set()
+            while True:
+                try:
+                    await release.wait()
+                    break
+                except asyncio.CancelledError:
+                    if cooperative:
+                        raise
+            yield " and the rest"
+        else:
+            async for item in Script.echo(i, messages, info):
+                yield item
+
+    script.handler = handler
+    return script, release, streamed
+
+
+async def test_bad_context_is_refused_before_anything_is_written(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+    ticket = runtime.submit(conversation_id="c1", idempotency_key="k", context={"user_id": 5}, parts=[])
+    with pytest.raises(AgentRecordValidationError) as error:
+        await ticket.admission
+    assert error.value.field == "context.user_id"
+    with pytest.raises(AgentRecordValidationError):
+        await ticket.result
+    assert (await store.load_snapshot(conversation_id="c1")).version == 0
+    await runtime.close()
+
+
+async def test_bad_parts_and_failed_preflight_write_nothing(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+    bad = runtime.submit(conversation_id="c1", idempotency_key="k", context={}, parts=[{"type": "nope"}])
+    with pytest.raises(AgentRecordValidationError):
+        await bad.admission
+
+    def preflight() -> None:
+        raise AgentModelUnavailableError("model 'm' is unavailable: Set the `OPENAI_API_KEY` environment variable")
+
+    runtime._preflight = preflight
+    refused = runtime.submit(
+        conversation_id="c1", idempotency_key="k", context={}, parts=[{"type": "text", "text": "x"}]
+    )
+    with pytest.raises(AgentModelUnavailableError):
+        await refused.admission
+    assert (await store.load_snapshot(conversation_id="c1")).version == 0
+    await runtime.close()
+
+
+async def test_a_duplicate_after_the_end_returns_the_same_answer(store: Any) -> None:
+    script = Script()
+    runtime = make_runtime(store, script)
+    first = await submit(runtime, "k", "hello").result
+    again = submit(runtime, "k", "hello")
+    admission = await again.admission
+    assert admission.outcome == "duplicate" and admission.run.id == first.run.id
+    second = await again.result
+    assert second.assistant.id == first.assistant.id and second.metrics is None
+    assert len(script.calls) == 1
+    await runtime.close()
+
+
+async def test_durable_interrupt_racing_completion_commits_interrupted(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+    original = store.commit_run_terminal
+    raced: list[str] = []
+
+    async def racing(**kwargs: Any) -> Any:
+        if not raced:  # the provider finished; an interrupt commits before the terminal CAS
+            raced.append(kwargs["run_id"])
+            await store.request_run_interrupt(conversation_id=kwargs["conversation_id"], run_id=kwargs["run_id"])
+        return await original(**kwargs)
+
+    store.commit_run_terminal = racing
+    result = await submit(runtime, "k", "hello").result
+    assert result.terminal_reason == "interrupted" and result.assistant.status == "interrupted"
+    assert answer_text(result) == "answer to: hello"
+    await runtime.close()
+
+
+async def test_interrupt_after_the_end_reports_terminal(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+    result = await submit(runtime, "k", "hello").result
+    outcome = await runtime.interrupt(conversation_id="c1", run_id=result.run.id)
+    assert outcome.outcome == "terminal" and outcome.run.terminal_reason == "success"
+    await runtime.close()
+
+
+async def test_a_terminal_lost_to_another_executor_settles_from_the_winner(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+    original = store.commit_run_terminal
+
+    async def beaten(**kwargs: Any) -> Any:
+        await original(**{**kwargs, "terminal_reason": "cancelled", "parts": []})  # the other execution wins
+        return await original(**kwargs)
+
+    store.commit_run_terminal = beaten
+    result = await submit(runtime, "k", "hello").result
+    assert result.terminal_reason == "cancelled" and result.metrics is None
+    await runtime.close()
+
+
+# ---------------------------------------------------------------------------------- close budgets
+
+
+async def test_close_without_budgets_aborts_at_once_and_waits(store: Any) -> None:
+    script, _release, streamed = hanging_script()
+    runtime = make_runtime(store, script)
+    ticket = submit(runtime, "k", "hello")
+    await streamed.wait()
+    closed = await runtime.close()
+    assert (closed.settled, closed.timed_out, closed.remaining) == (True, False, 0)
+    assert (await ticket.result).terminal_reason == "shutdown"
+
+
+async def test_close_with_grace_lets_the_run_finish(store: Any) -> None:
+    script, release, streamed = hanging_script()
+    runtime = make_runtime(store, script)
+    ticket = submit(runtime, "k", "hello")
+    await streamed.wait()
+    closing = asyncio.ensure_future(runtime.close(grace_period=30))
+    await asyncio.sleep(0)
+    release.set()
+    closed = await closing
+    assert closed.settled and (await ticket.result).terminal_reason == "success"
+
+
+async def test_close_with_force_timeout_reports_a_run_still_in_flight(store: Any) -> None:
+    script, release, streamed = hanging_script(cooperative=False)
+    runtime = make_runtime(store, script)
+    ticket = submit(runtime, "k", "hello")
+    await streamed.wait()
+    closed = await runtime.close(force_timeout=0.05)
+    assert (closed.settled, closed.timed_out, closed.remaining) == (False, True, 1)
+    release.set()  # the non-cooperative provider finally returns; the run still ends as shut down
+    result = await asyncio.wait_for(ticket.result, 5)
+    assert result.terminal_reason == "shutdown"
+
+
+async def test_close_with_both_budgets(store: Any) -> None:
+    script, release, streamed = hanging_script(cooperative=False)
+    runtime = make_runtime(store, script)
+    ticket = submit(runtime, "k", "hello")
+    await streamed.wait()
+    closed = await runtime.close(grace_period=0.01, force_timeout=0.05)
+    assert (closed.timed_out, closed.remaining) == (True, 1)
+    release.set()
+    assert (await asyncio.wait_for(ticket.result, 5)).terminal_reason == "shutdown"
+
+
+async def test_close_leaves_queued_work_recoverable(store: Any) -> None:
+    script, _release, streamed = hanging_script()
+    runtime = make_runtime(store, script)
+    first = submit(runtime, "a", "first")
+    await streamed.wait()
+    queued = submit(runtime, "b", "second")
+    run_b = (await queued.admission).run
+    await runtime.close()
+    assert (await first.result).terminal_reason == "shutdown"
+    with pytest.raises(AgentRuntimeClosedError):
+        await queued.result
+    late = submit(runtime, "c", "third")
+    with pytest.raises(AgentRuntimeClosedError):
+        await late.admission
+    active = await store.list_active_runs(conversation_id="c1")
+    assert [r.id for r in active.runs] == [run_b.id] and active.runs[0].state == "queued"
+
+    # a new runtime recovers it
+    later = make_runtime(store, Script())
+    outcomes = await later.recover(resolve_context=lambda run: {"user_id": "u1"})
+    assert [(o.run_id, o.outcome) for o in outcomes] == [(run_b.id, "resumed")]
+    result = await outcomes[0].result
+    assert result.terminal_reason == "success"
+    await later.close()
+
+
+# ---------------------------------------------------------------------------------------- recovery
+
+
+async def test_recover_skips_acquired_runs_unless_a_policy_gives_evidence(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    behind = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k2", input={"id": "m2", "parts": [{"type": "text", "text": "two"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="dead")
+    script = Script()
+    runtime = make_runtime(store, script)
+    outcomes = await runtime.recover(resolve_context=lambda run: {})
+    assert [(o.run_id, o.outcome) for o in outcomes] == [(accepted.run.id, "skipped"), (behind.run.id, "blocked")]
+    assert script.calls == []
+
+    outcomes = await runtime.recover(
+        resolve_context=lambda run: {}, policy=lambda run: {"action": "requeue", "replay_safe": True}
+    )
+    assert [(o.run_id, o.outcome) for o in outcomes] == [(accepted.run.id, "requeued"), (behind.run.id, "resumed")]
+    results = [await o.result for o in outcomes]
+    assert [r.terminal_reason for r in results] == ["success", "success"]
+    assert results[0].run.fencing_token == 2, "the requeued run was acquired again with a higher token"
+    await runtime.close()
+
+
+async def test_recover_abandons_with_stale_owner_evidence(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="dead")
+    runtime = make_runtime(store, Script())
+    outcomes = await runtime.recover(
+        resolve_context=lambda run: {}, policy=lambda run: {"action": "abandon", "stale_owner": True}
+    )
+    assert [o.outcome for o in outcomes] == ["abandoned"]
+    loaded = await store.load_run(conversation_id="c1", run_id=accepted.run.id)
+    assert loaded.run.state == "abandoned"
+    await runtime.close()
+
+
+async def test_recover_restores_execution_order_across_pages(store: Any) -> None:
+    ids = []
+    for i, (key, urgent) in enumerate([("o1", False), ("u1", True), ("o2", False), ("u2", True)]):
+        accepted = await store.accept_input_and_assign_run(
+            conversation_id="c1",
+            idempotency_key=key,
+            input={"id": f"m{i}", "parts": [{"type": "text", "text": key}]},
+            run_id=f"run-{9 - i}",  # ids in reverse order of admission
+            priority="urgent" if urgent else "ordinary",
+        )
+        ids.append(accepted.run.id)
+    script = Script()
+    runtime = make_runtime(store, script)
+    outcomes = await runtime.recover(resolve_context=lambda run: {}, page_size=1)
+    assert [o.run_id for o in outcomes] == [ids[1], ids[3], ids[0], ids[2]]
+    for o in outcomes:
+        await o.result
+    from .conftest import last_user_text
+
+    assert [last_user_text(c) for c in script.calls] == ["u1", "u2", "o1", "o2"]
+    await runtime.close()
+
+
+async def test_resume_one_known_queued_run(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    runtime = make_runtime(store, Script())
+    ticket = await runtime.resume(conversation_id="c1", run_id=accepted.run.id, context={})
+    acquired = await ticket.accepted
+    assert acquired.state == "running" and acquired.owner_id == runtime.owner_id
+    assert (await ticket.result).terminal_reason == "success"
+    await runtime.close()
+
+
+async def test_a_store_that_fails_at_the_terminal_leaves_the_run_unsettled(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+
+    async def down(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.commit_run_terminal = down
+    ticket = submit(runtime, "k", "hello")
+    with pytest.raises(AgentRunUnsettledError) as error:
+        await ticket.result
+    assert error.value.owner_id == runtime.owner_id and error.value.run.state == "running"
+    await runtime.close()

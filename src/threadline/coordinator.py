@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .errors import AgentRunUnsettledError
 from .loop import RunControl
 
 if TYPE_CHECKING:
@@ -65,8 +66,20 @@ class Lane:
                 return
             head = active.runs[0]
             if head.acquired or head.id not in self.contexts:
-                # another executor holds it, or an orphan from an earlier process: recovery decides
+                # another executor holds it, or an orphan from an earlier process: recovery decides.
+                # Inputs waiting behind it cannot run here now; their tickets say so.
                 self.blocked_on = head.id
+                for run in active.runs[1:]:
+                    if run.id in self.contexts:
+                        runtime.waiters.reject(
+                            run.id,
+                            AgentRunUnsettledError(
+                                f"run {run.id} is queued behind run {head.id} ({head.state}, owner {head.owner_id}); "
+                                "recover() or resume() runs it once that run has ended",
+                                run=run,
+                                owner_id=None,
+                            ),
+                        )
                 return
             self.blocked_on = None
             proceed = await runtime.execute(self, head, self.contexts[head.id])

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic_ai.messages import (
     InstructionPart,
@@ -42,9 +43,12 @@ from pydantic_core import to_jsonable_python
 
 from .errors import (
     AgentContextOverflowError,
+    AgentConversationPurgedError,
+    AgentRecordNotFoundError,
     AgentRunOwnershipConflictError,
     AgentRunRevisionConflictError,
     AgentRunStateConflictError,
+    AgentRuntimeUsageError,
     AgentStoreConflictError,
 )
 from .events import (
@@ -78,6 +82,27 @@ from .tools import AgentTool, AgentToolContext, AppError, error_envelope
 from .usage import AgentUsage
 
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
+STORE_RETRY_DELAYS = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)  # about half a second in all
+_DECISIONS = (AgentStoreConflictError, AgentRecordNotFoundError, AgentConversationPurgedError, AgentRuntimeUsageError)
+T = TypeVar("T")
+
+
+async def with_store_retry(call: Callable[[], Awaitable[T]]) -> T:
+    """Retry a failing store call for about half a second. Decisions (conflicts, purges, unknown ids,
+    bad input) are answers, not failures, and pass through at once. Retries bound a call that fails,
+    not one that hangs: give the store its own timeouts."""
+    for delay in (*STORE_RETRY_DELAYS, None):
+        try:
+            return await call()
+        except _DECISIONS:
+            raise
+        except Exception:
+            if delay is None:
+                raise
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 COMPLETED_REASONS = frozenset({"success", "policy_stop", "provider_stop"})
 
 
@@ -256,7 +281,9 @@ class _OwnedRun:
         self._lock = asyncio.Lock()
 
     async def _reconcile(self, error: AgentStoreConflictError) -> None:
-        loaded = await self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+        loaded = await with_store_retry(
+            lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+        )
         current = loaded.run if loaded else None
         if (
             current is None
@@ -273,7 +300,7 @@ class _OwnedRun:
         async with self._lock:
             for attempt in range(3):
                 try:
-                    result = await write(self.run)
+                    result = await with_store_retry(lambda: write(self.run))
                 except AgentRunRevisionConflictError as error:
                     if attempt == 2:
                         raise _Failure("storage_conflict", error) from error
@@ -341,7 +368,12 @@ class _OwnedRun:
 
     async def fence(self) -> None:
         """Check that this process still owns the run (before a tool's effect and before its result)."""
-        loaded = await self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+        try:
+            loaded = await with_store_retry(
+                lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
+            )
+        except Exception as error:
+            raise _Failure("runtime_failure", error) from error
         current = loaded.run if loaded else None
         if (
             current is None
@@ -648,7 +680,8 @@ class _Execution:
         for attempt in range(3):
             run = self.owned.run
             try:
-                result = await store.commit_run_terminal(
+                commit = functools.partial(
+                    store.commit_run_terminal,
                     conversation_id=run.conversation_id,
                     run_id=run.id,
                     expected_revision=run.revision,
@@ -659,6 +692,7 @@ class _Execution:
                     policy_name=policy_name if reason == "policy_stop" else None,
                     absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
                 )
+                result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:
                 try:
                     await self.owned._reconcile(error)

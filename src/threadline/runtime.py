@@ -33,7 +33,7 @@ from .errors import (
 from .events import AdmissionEvent, RunStateEvent, TerminalEvent, durable_event_id
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import AgentPrompt, ComposedAgentPrompt
-from .loop import LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run
+from .loop import LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run, with_store_retry
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import PARTS_ADAPTER, Message, Run
@@ -44,13 +44,6 @@ from .tools import AgentTool
 from .usage import AgentUsage
 
 C = TypeVar("C")
-_STORE_RETRY_DELAYS = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)  # about half a second in all
-_DECISIONS = (
-    AgentStoreConflictError,
-    AgentRecordNotFoundError,
-    AgentConversationPurgedError,
-    AgentRuntimeUsageError,
-)
 
 
 class AgentRuntimeClosedError(AgentRuntimeUsageError):
@@ -320,18 +313,8 @@ class AgentRuntime:
             pass
 
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
-        """Retry a failing store call for about half a second; decisions (conflicts, purges, not found,
-        bad input) are not failures and pass through at once."""
-        for delay in (*_STORE_RETRY_DELAYS, None):
-            try:
-                return await call()
-            except _DECISIONS:
-                raise
-            except Exception:
-                if delay is None:
-                    raise
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+        """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
+        return await with_store_retry(call)
 
     def _lane(self, conversation_id: str) -> Lane:
         lane = self.lanes.get(conversation_id)
@@ -493,11 +476,8 @@ class AgentRuntime:
             self.waiters.reject(run.id, error)
             return False
         except Exception as error:
-            # acquisition failed past the retry budget (or its reply was lost): the run is abandoned here
-            self.waiters.reject(
-                run.id,
-                AgentRunUnsettledError(f"could not acquire run {run.id}: {error!r}", run=run, owner_id=self.owner_id),
-            )
+            # acquisition failed past the retry budget (or its reply was lost): abandon the run durably
+            await self._abandon_unacquirable(run, error)
             return False
         self.waiters.mark_acquired(run.id, acquired.run)
         self._publish_run_state(acquired.run, acquired.version)
@@ -563,6 +543,38 @@ class AgentRuntime:
         self.waiters.resolve(run.id, result)
         return True
 
+    async def _abandon_unacquirable(self, run: Run, cause: BaseException) -> None:
+        try:
+            loaded = await self.retry_store(
+                lambda: self.store.load_run(conversation_id=run.conversation_id, run_id=run.id)
+            )
+            current = loaded.run if loaded else run
+            if current.acquired and current.owner_id not in (None, self.owner_id):
+                raise AgentRunOwnershipConflictError(
+                    f"run {run.id} is held by {current.owner_id}", conversation_id=run.conversation_id, run_id=run.id
+                )
+            abandoned = await self.retry_store(
+                lambda: self.store.recover_run(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    expected_revision=current.revision,
+                    action="abandon",
+                    stale_owner=True,
+                )
+            )
+        except Exception as error:
+            self.waiters.reject(
+                run.id,
+                AgentRunUnsettledError(
+                    f"could not acquire run {run.id} ({cause!r}) nor abandon it ({error!r})",
+                    run=run,
+                    owner_id=self.owner_id,
+                ),
+            )
+            return
+        self._publish_run_state(abandoned.run, abandoned.version)
+        self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+
     async def _resolve_model(self, ctx: AgentPromptContext) -> AgentModelDescriptor:
         resolved = await self._call_hook(self._resolve, ctx)
         if not isinstance(resolved, AgentModelDescriptor):
@@ -608,16 +620,18 @@ class AgentRuntime:
             lane.control.abort("interrupted")
         return result
 
-    def stop(self, conversation_id: str, reason: Literal["interrupt", "supersede"] = "interrupt") -> bool:
-        """Process-local escape hatch: abort the conversation's executing run in this process with reason
-        ``interrupted`` or ``superseded``. Returns whether a run was executing here. Nothing durable happens
-        until the run's own terminal commit."""
-        if reason not in ("interrupt", "supersede"):
-            raise AgentRuntimeUsageError("stop reason is 'interrupt' or 'supersede'")
+    def stop(self, conversation_id: str, reason: Literal["interrupt", "supersede", "cancel"] = "interrupt") -> bool:
+        """Process-local escape hatch: abort the conversation's executing run in this process. ``interrupt``
+        (someone saw the partial answer: it stays, marked), ``supersede`` (nobody saw it: it leaves the
+        prompt) or ``cancel`` (the caller withdrew the request). Returns whether a run was executing here.
+        Nothing durable happens until the run's own terminal commit."""
+        reasons = {"interrupt": "interrupted", "supersede": "superseded", "cancel": "cancelled"}
+        if reason not in reasons:
+            raise AgentRuntimeUsageError(f"stop reason is one of {sorted(reasons)}, got {reason!r}")
         lane = self.lanes.get(conversation_id)
         if lane is None or lane.control is None:
             return False
-        lane.control.abort("interrupted" if reason == "interrupt" else "superseded")
+        lane.control.abort(reasons[reason])
         return True
 
     async def abandon(
@@ -735,8 +749,10 @@ class AgentRuntime:
             cid = run.conversation_id
             lane = self._lane(cid)
             if lane.control is not None and lane.control.run_id == run.id:
-                outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
-                blocked = True
+                # already executing in this process (acquired durably): report it with its result
+                running: asyncio.Future[Any] = quiet(loop.create_future())
+                self.waiters.add_result(run.id, running)
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, "resumed", result=running))
                 continue
             try:
                 if run.acquired:

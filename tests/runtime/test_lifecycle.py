@@ -294,3 +294,35 @@ async def test_a_store_that_fails_at_the_terminal_leaves_the_run_unsettled(store
         await ticket.result
     assert error.value.owner_id == runtime.owner_id and error.value.run.state == "running"
     await runtime.close()
+
+
+async def test_an_acquisition_the_store_keeps_failing_abandons_the_run(store: Any) -> None:
+    runtime = make_runtime(store, Script())
+
+    async def failing(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.acquire_run = failing
+    result = await submit(runtime, "k", "hello").result
+    assert (result.terminal_reason, result.run.state, result.assistant.status) == ("abandoned", "abandoned", "failed")
+    await runtime.close()
+
+
+async def test_input_queued_behind_an_orphan_is_reported_unsettled(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="gone")
+    runtime = make_runtime(store, Script())
+    ticket = submit(runtime, "k2", "two")
+    queued = (await ticket.admission).run
+    with pytest.raises(AgentRunUnsettledError) as error:
+        await ticket.result
+    assert error.value.run.id == queued.id and error.value.owner_id is None
+    # with evidence the orphan is abandoned and the queued input runs
+    outcomes = await runtime.recover(
+        resolve_context=lambda run: {}, policy=lambda run: {"action": "abandon", "stale_owner": True}
+    )
+    assert [(o.run_id, o.outcome) for o in outcomes] == [(accepted.run.id, "abandoned"), (queued.id, "resumed")]
+    assert (await outcomes[1].result).terminal_reason == "success"
+    await runtime.close()

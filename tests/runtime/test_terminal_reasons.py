@@ -213,7 +213,13 @@ async def test_a_refused_owned_mutation_is_a_storage_conflict(store: Any) -> Non
 
 
 async def test_interrupted_superseded_and_shutdown(store: Any) -> None:
-    for how, expected in (("interrupt", "interrupted"), ("stop-supersede", "superseded"), ("close", "shutdown")):
+    cases = (
+        ("interrupt", "interrupted"),
+        ("stop-supersede", "superseded"),
+        ("stop-cancel", "cancelled"),
+        ("close", "shutdown"),
+    )
+    for how, expected in cases:
         script = Script()
         streamed = asyncio.Event()
 
@@ -233,13 +239,16 @@ async def test_interrupted_superseded_and_shutdown(store: Any) -> None:
             await runtime.interrupt(conversation_id=f"c-{how}", run_id=run_id)
         elif how == "stop-supersede":
             assert runtime.stop(f"c-{how}", "supersede")
+        elif how == "stop-cancel":
+            assert runtime.stop(f"c-{how}", "cancel")
         else:
             closed = await runtime.close()
             assert closed.settled and closed.remaining == 0
         result = await asyncio.wait_for(ticket.result, 5)
         assert result.terminal_reason == expected
-        status = {"interrupted": "interrupted", "superseded": "superseded", "shutdown": "interrupted"}[expected]
-        assert result.assistant.status == status
+        status = {"superseded": "superseded"}.get(expected, "interrupted")
+        state = {"superseded": "superseded", "cancelled": "cancelled"}.get(expected, "interrupted")
+        assert (result.assistant.status, result.run.state) == (status, state)
         assert answer_text(result) == "partial"
         await runtime.close()
 

@@ -1,0 +1,189 @@
+"""The crash child: runs the scenario of ``_scenario.py`` on a SQLite file and SIGKILLs itself at one point.
+
+Usage: ``python _child.py <workdir> <point>``. ``<workdir>`` holds ``threadline.db``, and receives
+``journal.log`` (``submitted <key>`` fsynced before each submit, ``admitted <key> <run_id>`` after its
+admission resolved), ``effects.log`` (the tool's effects) and ``trace.log`` (every point reached, with
+what it was about, then ``KILL <point>``). With point ``none`` it runs to the end and prints ``DONE``.
+
+Points (counts are per conversation, 1-based, in the order this process reached them):
+
+- ``before:<op>:<conv>:<n>`` — just before the n-th ``<op>`` call is handed to the store;
+- ``mid:<op>:<conv>:<n>`` — inside its transaction, every row written, before ``COMMIT``;
+- ``after:<op>:<conv>:<n>`` — right after it returned (committed);
+  ``<op>``: ``accept`` (accept_input_and_assign_run), ``acquire`` (acquire_run), ``checkpoint``
+  (checkpoint_run_assistant), ``record`` (record_run_operation), ``terminal`` (commit_run_terminal);
+- ``stream:<conv>:<call>:<k>`` — after the loop consumed k deltas of the conversation's call-th model call;
+- ``tool:<before-effect|after-effect>:<conv>:<n>`` — around the n-th tool effect.
+
+The schedule is deterministic per conversation: k0 and k2 are submitted together; once k0's model call
+started, k1 then k3 are submitted (k3 coalesces into k1's queued run) while k0's stream waits after its
+second delta; then it goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+from _scenario import INPUTS, Hooks, append_line, build_runtime, submit
+
+from threadline import AgentRuntimeStore, create_sqlite_agent_runtime_store
+
+
+class Tracer:
+    def __init__(self, workdir: str, point: str) -> None:
+        self.path = os.path.join(workdir, "trace.log")
+        self.point = point
+
+    def reach(self, name: str, detail: str, *, when: str | None = None) -> None:
+        """Note that ``name`` was reached; die if the point is ``name`` (or ``<when>:<name>``)."""
+        if when is None:
+            append_line(self.path, f"{name} {detail}", fsync=False)
+            if self.point == name:
+                self.die()
+        elif self.point == f"{when}:{name}":
+            self.die()
+
+    def die(self) -> None:
+        append_line(self.path, f"KILL {self.point}", fsync=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_before_commit(operation: Generator[Any, Any, Any], tracer: Tracer) -> Generator[Any, Any, Any]:
+    """Drive the reducer operation to its end (all its writes done in the open transaction), then die in
+    the driver's thread before the driver's ``COMMIT``."""
+    result = yield from operation
+    tracer.die()
+    return result
+
+
+class CrashStore(AgentRuntimeStore):
+    """The store facade with named kill points around its mutations."""
+
+    def __init__(self, driver: Any, tracer: Tracer) -> None:
+        super().__init__(driver)
+        self.tracer = tracer
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.run_keys: dict[str, list[str]] = {}
+        self._mid = False
+
+    def _keys(self, run_id: str) -> str:
+        return "+".join(self.run_keys.get(run_id, ["?"]))
+
+    async def _guard(self, op: str, kw: dict[str, Any], call: Callable[..., Awaitable[Any]], detail: str) -> Any:
+        cid = kw["conversation_id"]
+        self.counts[(op, cid)] += 1
+        name = f"{op}:{cid}:{self.counts[(op, cid)]}"
+        self.tracer.reach(name, detail)
+        self.tracer.reach(name, detail, when="before")
+        self._mid = self.tracer.point == f"mid:{name}"
+        try:
+            result = await call(**kw)
+        finally:
+            self._mid = False
+        if op == "accept":
+            keys = self.run_keys.setdefault(result.run.id, [])
+            if kw["idempotency_key"] not in keys:
+                keys.append(kw["idempotency_key"])
+        self.tracer.reach(name, detail, when="after")
+        return result
+
+    async def _run(self, name: str, operation: Any, access: Any) -> Any:
+        if self._mid:
+            self._mid = False
+            operation = _die_before_commit(operation, self.tracer)
+        return await super()._run(name, operation, access)
+
+    async def accept_input_and_assign_run(self, **kw: Any) -> Any:
+        detail = f"key={kw['idempotency_key']}"
+        return await self._guard("accept", kw, super().accept_input_and_assign_run, detail)
+
+    async def acquire_run(self, **kw: Any) -> Any:
+        return await self._guard("acquire", kw, super().acquire_run, f"run={self._keys(kw['run_id'])}")
+
+    async def checkpoint_run_assistant(self, **kw: Any) -> Any:
+        types = ",".join(p.type if hasattr(p, "type") else p["type"] for p in kw["parts"])
+        detail = f"run={self._keys(kw['run_id'])} parts={types}"
+        return await self._guard("checkpoint", kw, super().checkpoint_run_assistant, detail)
+
+    async def record_run_operation(self, **kw: Any) -> Any:
+        operation = kw["operation"]
+        detail = f"run={self._keys(kw['run_id'])} phase={operation.phase} step={operation.step}"
+        return await self._guard("record", kw, super().record_run_operation, detail)
+
+    async def commit_run_terminal(self, **kw: Any) -> Any:
+        detail = f"run={self._keys(kw['run_id'])} reason={kw['terminal_reason']}"
+        return await self._guard("terminal", kw, super().commit_run_terminal, detail)
+
+
+class ChildHooks(Hooks):
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.calls: Counter[str] = Counter()
+        self.tools: Counter[str] = Counter()
+        self.k0_started = asyncio.Event()
+        self.c1_queued = asyncio.Event()
+
+    async def model_call(self, conversation_id: str, keys: list[str]) -> int:
+        self.calls[conversation_id] += 1
+        call = self.calls[conversation_id]
+        if (conversation_id, call) == ("c1", 1):
+            self.k0_started.set()
+        return call
+
+    async def after_chunk(self, conversation_id: str, call: int, k: int, keys: list[str]) -> None:
+        self.tracer.reach(f"stream:{conversation_id}:{call}:{k}", f"keys={'+'.join(keys)}")
+        if (conversation_id, call, k) == ("c1", 1, 2):
+            await self.c1_queued.wait()  # k1 and k3 are admitted while k0 is mid-stream
+
+    def tool(self, conversation_id: str, stage: str, call_id: str) -> None:
+        if stage == "before-effect":
+            self.tools[conversation_id] += 1
+        self.tracer.reach(f"tool:{stage}:{conversation_id}:{self.tools[conversation_id]}", f"call={call_id}")
+
+
+async def main(workdir: str, point: str) -> int:
+    tracer = Tracer(workdir, point)
+    journal = os.path.join(workdir, "journal.log")
+    handle = create_sqlite_agent_runtime_store(os.path.join(workdir, "threadline.db"))
+    store = CrashStore(handle.driver, tracer)
+    hooks = ChildHooks(tracer)
+    runtime = build_runtime(store, hooks, os.path.join(workdir, "effects.log"), owner_id="child")
+    tickets: dict[str, Any] = {}
+
+    def send(key: str) -> None:
+        append_line(journal, f"submitted {key}")
+        tickets[key] = submit(runtime, key)
+
+    async def admitted(key: str) -> None:
+        admission = await tickets[key].admission
+        append_line(journal, f"admitted {key} {admission.run_id}")
+
+    send("k0")
+    send("k2")
+    await admitted("k0")
+    await admitted("k2")
+    await asyncio.wait_for(hooks.k0_started.wait(), 10)
+    send("k1")
+    await admitted("k1")
+    send("k3")
+    await admitted("k3")
+    hooks.c1_queued.set()
+    failures = []
+    for key in INPUTS:
+        result = await asyncio.wait_for(tickets[key].result, 10)
+        if result.terminal_reason != "success":
+            failures.append(f"{key}: {result.terminal_reason}")
+    await runtime.close()
+    await handle.close()
+    print("DONE" if not failures else f"FAILED {failures}")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2])))

@@ -25,19 +25,23 @@ LangGraph stores four messages per turn of this workload, so compare the two sys
 ``db_bytes`` is the main file plus ``-wal`` right after the window, after a ``wal_checkpoint(TRUNCATE)``
 from a second connection. ``turn_store_ops`` / ``turn_commits`` are per-turn deltas of
 ``store.metrics`` (a commit is one write operation: ``BEGIN IMMEDIATE`` … ``COMMIT``); ``--verbose``
-adds the per-operation breakdown.
+adds the per-operation breakdown, with each call's round trip as the event loop sees it and the worker
+thread's time inside transactions (timed through two private hooks; a frame of overhead per call).
 
 ``--turns-500`` (on by default) then runs 500 real turns in a fresh database, closes the store,
 checkpoints the WAL and prints the file size (DESIGN §5: under 5 MB).
 
-``--profile`` runs cProfile over the largest window: the event-loop thread (top 25 by cumulative time, and
+``--profile`` runs cProfile over a second, untimed window at the largest size (``--profile-size`` picks
+another), so the printed medians are never taken under the profiler: the event-loop thread (top 25 by cumulative time, and
 top 15 by own time) and the SQLite worker thread of the store (same, separately; cProfile sees one thread
 at a time).
 
 ``--publish json`` measures the cost of a publisher: two conversations grow side by side in the same
 database, one runtime without ``publish=`` and one whose callback serializes every event with
 ``event.model_dump_json()``; their turns alternate. It prints events per turn, the difference of the
-per-turn medians divided by the events of a turn, and the time spent inside the callback per event.
+per-turn times (median of paired differences, turn by turn) divided by the events of a turn, and the time
+spent inside the callback per event (the steadier figure: the difference is within the noise at large
+histories).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import os
 import pstats
 import sqlite3
@@ -73,11 +78,9 @@ from threadline import (
     define_model_registry,
 )
 
-ANSWER = (
-    "Here is what I found: the lookup returned three matching records for your query, the most relevant "
-    "one is threadline; durable conversations keep every turn on disk so a restart loses nothing at all."
-)
-assert 190 <= len(ANSWER) <= 210
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question  # noqa: E402
+
 SEED_BATCH = 200  # messages per seed_conversation_input call
 WARMUP_TURNS = 2  # untimed real turns right before every window
 # The store's write operations: each one is a single BEGIN IMMEDIATE … COMMIT transaction. Everything else
@@ -103,10 +106,10 @@ class Context(BaseModel):
     user_id: str = "bench"
 
 
-@define_agent_tool
+@define_agent_tool(name=TOOL_NAME)
 async def lookup(query: str) -> dict[str, Any]:
     """Look a query up in the knowledge base."""
-    return {"query": query, "hits": 3, "top": "threadline", "score": 0.92}
+    return {**TOOL_RESULT, "query": query}
 
 
 async def scripted(messages: list[Any], info: AgentInfo) -> AsyncIterator[Any]:
@@ -121,17 +124,13 @@ async def scripted(messages: list[Any], info: AgentInfo) -> AsyncIterator[Any]:
     else:
         yield {
             0: DeltaToolCall(
-                name="lookup", json_args='{"query": "durable conversations"}', tool_call_id=f"call_{uuid.uuid4().hex}"
+                name=TOOL_NAME, json_args=json.dumps({"query": QUERY}), tool_call_id=f"call_{uuid.uuid4().hex}"
             )
         }
 
 
 def text(t: str) -> list[dict[str, str]]:
     return [{"type": "text", "text": t}]
-
-
-def question(k: int) -> str:
-    return f"Question {k}: what do we know about durable conversations?"
 
 
 def seeded_turn(cid: str, k: int) -> list[dict[str, Any]]:
@@ -143,10 +142,9 @@ def seeded_turn(cid: str, k: int) -> list[dict[str, Any]]:
             "id": f"{cid}-sa{k}",
             "role": "assistant",
             "parts": [
-                {"type": "tool-call", "call_id": call_id, "tool_name": "lookup",
-                 "input": {"query": "durable conversations"}},
-                {"type": "tool-result", "call_id": call_id, "tool_name": "lookup", "outcome": "success",
-                 "output": {"query": "durable conversations", "hits": 3, "top": "threadline", "score": 0.92}},
+                {"type": "tool-call", "call_id": call_id, "tool_name": TOOL_NAME, "input": {"query": QUERY}},
+                {"type": "tool-result", "call_id": call_id, "tool_name": TOOL_NAME, "outcome": "success",
+                 "output": {**TOOL_RESULT, "query": QUERY}},
                 {"type": "text", "text": ANSWER},
             ],
         },
@@ -245,6 +243,37 @@ class Conversation:
             await self.turn()
 
 
+class OpTimer:
+    """``--verbose`` only: wall time of every store call as the event loop sees it (thread hop, queueing,
+    transaction) and the worker thread's time inside the transaction. Wraps two private hooks of the
+    SQLite store on this instance; the cost is one extra frame per call."""
+
+    def __init__(self, store: AgentRuntimeStore) -> None:
+        self.roundtrip_ns: dict[str, int] = {}
+        self.in_tx_ns = {"read": 0, "write": 0}
+        run, transaction = store._run, store.driver._transaction  # type: ignore[attr-defined]
+
+        async def timed_run(name: str, operation: Any, access: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return await run(name, operation, access)
+            finally:
+                self.roundtrip_ns[name] = self.roundtrip_ns.get(name, 0) + time.perf_counter_ns() - start
+
+        def timed_transaction(operation: Any, access: str, stats: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return transaction(operation, access, stats)
+            finally:
+                self.in_tx_ns[access] += time.perf_counter_ns() - start
+
+        store._run = timed_run  # type: ignore[method-assign]
+        store.driver._transaction = timed_transaction  # type: ignore[attr-defined]
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        return dict(self.roundtrip_ns), dict(self.in_tx_ns)
+
+
 def snapshot_metrics(store: AgentRuntimeStore) -> dict[str, tuple[int, int, int]]:
     return {name: (s.calls, s.rows_read, s.rows_written) for name, s in store.metrics.items()}
 
@@ -289,6 +318,7 @@ async def window(
     *,
     verbose: bool,
     profile: bool,
+    timer: OpTimer | None,
 ) -> None:
     for conv in convs:
         await conv.grow_to(size - turns, grow)
@@ -297,17 +327,10 @@ async def window(
     publishers = [c.publisher for c in convs if c.publisher is not None]
     events0 = [(p.events, p.ns, p.bytes) for p in publishers]
     before = snapshot_metrics(store)
-    loop_prof = worker_prof = None
-    if profile:
-        loop_prof, worker_prof = cProfile.Profile(), cProfile.Profile()
-        await driver_call(store, worker_prof.enable)
-        loop_prof.enable()
+    timed_before = timer.snapshot() if timer is not None else None
     for _ in range(turns):
         for conv in convs:  # alternate so machine noise hits every variant alike
             conv.times_ns.append(await conv.turn())
-    if loop_prof is not None and worker_prof is not None:
-        loop_prof.disable()
-        await driver_call(store, worker_prof.disable)
     delta = metrics_delta(before, snapshot_metrics(store))
     checkpoint(path)
     size_now = db_bytes(path)
@@ -329,17 +352,26 @@ async def window(
         f"turn_rows_read={rows_read:g} turn_rows_written={rows_written:g}",
         flush=True,
     )
-    if verbose:
+    if verbose and timer is not None and timed_before is not None:
+        roundtrip, in_tx = timer.snapshot()
         for name, (c, r, w) in sorted(delta.items()):
             access = "write" if name in WRITE_OPS else "read"
+            us = (roundtrip.get(name, 0) - timed_before[0].get(name, 0)) / c / 1e3
             print(
                 f"  op={name} access={access} calls_per_turn={c / n_turns:g} rows_read_per_turn={r / n_turns:g} "
-                f"rows_written_per_turn={w / n_turns:g}"
+                f"rows_written_per_turn={w / n_turns:g} roundtrip_us_per_call={us:.0f}"
             )
+        store_ms = sum(roundtrip.get(n, 0) - timed_before[0].get(n, 0) for n in delta) / n_turns / 1e6
+        tx_ms = {a: (in_tx[a] - timed_before[1][a]) / n_turns / 1e6 for a in in_tx}
+        print(
+            f"  store_roundtrip_ms_per_turn={store_ms:.2f} worker_in_read_tx_ms_per_turn={tx_ms['read']:.2f} "
+            f"worker_in_write_tx_ms_per_turn={tx_ms['write']:.2f} (the rest of a turn is event-loop work)"
+        )
     for pub, (e0, ns0, b0), conv in zip(publishers, events0, [c for c in convs if c.publisher is not None]):
         events = pub.events - e0
         per_turn_events = events / turns
-        diff_us = (statistics.median(conv.times_ns) - statistics.median(base.times_ns)) / 1e3
+        # turns alternate, so pair them: the median of paired differences is steadier than a difference of medians
+        diff_us = statistics.median(p - b for p, b in zip(conv.times_ns, base.times_ns)) / 1e3
         print(
             f"system=threadline store=sqlite messages={size} publish=json events_per_turn={per_turn_events:g} "
             f"per_turn_ms={statistics.median(conv.times_ns) / 1e6:.2f} baseline_per_turn_ms={median_ms:.2f} "
@@ -348,7 +380,17 @@ async def window(
             f"json_bytes_per_event={(pub.bytes - b0) / events:.0f}",
             flush=True,
         )
-    if loop_prof is not None and worker_prof is not None:
+    if profile:
+        # a separate, untimed window: the profiler slows every call, so the medians above are clean
+        loop_prof, worker_prof = cProfile.Profile(), cProfile.Profile()
+        await driver_call(store, worker_prof.enable)
+        loop_prof.enable()
+        for _ in range(turns):
+            for conv in convs:
+                await conv.turn()
+        loop_prof.disable()
+        await driver_call(store, worker_prof.disable)
+        n_turns = turns * len(convs)
         print_profile(f"event-loop thread, window at {size} messages ({n_turns} turns)", loop_prof, 25, "cumulative")
         print_profile(f"event-loop thread, window at {size} messages ({n_turns} turns)", loop_prof, 15, "tottime")
         print_profile(f"SQLite worker thread, window at {size} messages ({n_turns} turns)", worker_prof, 25, "cumulative")
@@ -359,6 +401,7 @@ async def growth_run(args: argparse.Namespace, tmp: Path) -> None:
     path = tmp / "turns.db"
     async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
         store = sqlite.store
+        timer = OpTimer(store) if args.verbose else None
         convs = [Conversation(make_runtime(store), "conv-plain")]
         if args.publish == "json":
             publisher = JsonPublisher()
@@ -373,7 +416,8 @@ async def growth_run(args: argparse.Namespace, tmp: Path) -> None:
                 store,
                 path,
                 verbose=args.verbose,
-                profile=args.profile and size == sizes[-1],
+                profile=args.profile and size == (args.profile_size or sizes[-1]),
+                timer=timer,
             )
         for conv in convs:
             await conv.runtime.close()
@@ -405,11 +449,17 @@ async def main() -> int:
                         help="also run 500 real turns in a fresh database and print its size")  # fmt: skip
     parser.add_argument("--size-turns", type=int, default=500, help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="cProfile the largest window")
+    parser.add_argument("--profile-size", type=int, default=None,
+                        help="the size whose window --profile profiles (default: the largest)")  # fmt: skip
     parser.add_argument("--publish", choices=("json",), default=None, help="compare with a JSON publisher")
     parser.add_argument("--verbose", action="store_true", help="per-operation store breakdown")
     args = parser.parse_args()
     if any(s < 2 * args.window for s in args.sizes) or any(s % 2 for s in args.sizes):
         parser.error(f"sizes are even and at least 2 × --window ({2 * args.window})")
+    import threadline
+
+    print(machine_line(), flush=True)
+    print(f"# threadline=={threadline.__version__} from {Path(threadline.__file__).parent}", flush=True)
     with tempfile.TemporaryDirectory(prefix="threadline-turns-") as tmp:
         await growth_run(args, Path(tmp))
         if args.turns_500:

@@ -59,7 +59,8 @@ from .events import (
     ToolStatusEvent,
     durable_event_id,
 )
-from .history.projection import project_agent_history_detailed
+from .history.projection import AgentHistoryProjectionOptions
+from .history.view import ConversationView
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import (
@@ -210,7 +211,17 @@ class LoopEnv:
     instructions: Callable[[Any], Awaitable[str]]
     tools: Callable[[Any], Awaitable[Sequence[AgentTool]]]
     publish: Callable[[Any], None]
-    projection_options: Any = None
+    view: ConversationView
+    projection_options: AgentHistoryProjectionOptions = field(default_factory=AgentHistoryProjectionOptions)
+    _options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = field(default_factory=dict)
+
+    def projection_options_for(self, provider_name: str | None) -> AgentHistoryProjectionOptions:
+        """The same options with ``provider_name`` set, one stable object per provider (a cache key)."""
+        options = self._options_by_provider.get(provider_name)
+        if options is None:
+            options = self.projection_options.model_copy(update={"provider_name": provider_name})
+            self._options_by_provider[provider_name] = options
+        return options
 
 
 @dataclass
@@ -316,8 +327,9 @@ class _OwnedRun:
                 return result
             raise AssertionError("unreachable")
 
-    async def checkpoint(self, parts: Sequence[Part]) -> None:
-        store, run = self.env.store, self.run
+    async def checkpoint(self, parts: Sequence[Part], operation: RunOperation | None = None) -> None:
+        """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit."""
+        store = self.env.store
 
         async def write(run: Run) -> Any:
             return await store.checkpoint_run_assistant(
@@ -327,10 +339,12 @@ class _OwnedRun:
                 owner_id=self.env.owner_id,
                 fencing_token=run.fencing_token,
                 parts=list(parts),
+                operation=operation,
             )
 
         result = await self._owned(write)
         self.checkpoints += 1
+        run = self.run
         self.env.publish(
             AssistantCheckpointEvent(
                 event_id=durable_event_id(run.id, "assistant-checkpoint", result.version),
@@ -339,6 +353,19 @@ class _OwnedRun:
                 version=result.version,
                 message_id=run.assistant_message_id,
                 parts=tuple(parts),
+            )
+        )
+        if operation is not None:
+            self._published_operation(operation, result.version)
+
+    def _published_operation(self, operation: RunOperation, version: int) -> None:
+        self.env.publish(
+            RunOperationEvent(
+                event_id=durable_event_id(self.run.id, "run-operation", version, operation.phase),
+                conversation_id=self.run.conversation_id,
+                run_id=self.run.id,
+                version=version,
+                operation=operation,
             )
         )
 
@@ -356,15 +383,7 @@ class _OwnedRun:
             )
 
         result = await self._owned(write)
-        self.env.publish(
-            RunOperationEvent(
-                event_id=durable_event_id(self.run.id, "run-operation", result.version, operation.phase),
-                conversation_id=self.run.conversation_id,
-                run_id=self.run.id,
-                version=result.version,
-                operation=operation,
-            )
-        )
+        self._published_operation(operation, result.version)
 
     async def fence(self) -> None:
         """Check that this process still owns the run (before a tool's effect and before its result)."""
@@ -458,32 +477,45 @@ class _Execution:
             if new_ids:
                 self.parts.append(InputJoinedPart(run_id=queued.id, message_ids=new_ids, step=step))
 
-    async def _history(self) -> tuple[list[Any], list[str]]:
-        snapshot = await self.env.store.load_snapshot(conversation_id=self.run.conversation_id)
+    async def _history(self, model: AgentModelDescriptor) -> tuple[list[Any], list[str]]:
+        """What this run may see, projected: settled history (cached, extended incrementally), then the
+        unsettled messages of runs up to this one, inputs that joined, and this run's own steps so far."""
+        view = self.env.view
+        await with_store_retry(lambda: view.refresh(self.env.store))
         joined = set(self.claims)
-        visible = [m for m in snapshot.visible_to(self.run.id) if m.id != self.run.assistant_message_id]
-        injected = [m for m in snapshot.messages if m.run_id in joined and m.role == "user"]
-        current = Message(
-            id=self.run.assistant_message_id,
-            conversation_id=self.run.conversation_id,
-            role="assistant",
-            status="completed",
-            parts=tuple(self.parts),
-            run_id=self.run.id,
-            created_at=self.run.created_at,
-            seq=0,
+        tail = [m for m in view.tail(self.run.id) if m.id != self.run.assistant_message_id]
+        tail += [m for m in view.messages_of(joined) if m.role == "user"]
+        tail.append(
+            Message(
+                id=self.run.assistant_message_id,
+                conversation_id=self.run.conversation_id,
+                role="assistant",
+                status="completed",
+                parts=tuple(self.parts),
+                run_id=self.run.id,
+                created_at=self.run.created_at,
+                seq=0,
+            )
         )
-        projection = project_agent_history_detailed([*visible, *injected, current], self.env.projection_options)
-        return list(projection.messages), list(projection.system)
+        options = self.env.projection_options
+        if model.provider_name != options.provider_name:
+            options = self.env.projection_options_for(model.provider_name)
+        projector = view.projector(options).fork()
+        projector.extend(tail)
+        return projector.built, projector.system
 
-    async def _stream(self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any) -> ModelResponse:
+    async def _stream(
+        self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any
+    ) -> tuple[ModelResponse, RunOperation]:
         settings = self.env.settings
         every = max(1, settings.checkpoint_every_events)
         base = list(self.parts)
         operation = RunOperation(
             kind="model-request", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
         )
-        await self.owned.record(operation)
+        # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
+        # durable admission of this request; a failed write prevents the provider call
+        await self.owned.checkpoint(base, operation)
         state: dict[str, Any] = {"stream": None, "first": False}
 
         async def consume() -> ModelResponse:
@@ -537,8 +569,7 @@ class _Execution:
             await self._finish_operation(operation, "failed", failure.reason)
             raise
         self.usage = self.usage + AgentUsage.from_request(response.usage)
-        await self.owned.record(operation.model_copy(update={"phase": "completed", "finished_at": _now()}))
-        return response
+        return response, operation
 
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""
@@ -610,7 +641,6 @@ class _Execution:
 
     async def _steps(self) -> tuple[str, str | None]:
         env = self.env
-        await self.owned.checkpoint(self.parts)  # the initial draft
         model = await self._callback(env.resolve_model, self)
         instructions = await self._callback(env.instructions, self)
         tools = list(await self._callback(env.tools, self))
@@ -620,7 +650,12 @@ class _Execution:
             if self.control.aborted:
                 raise _Aborted()
             await self._join_injections(step)
-            messages, system = await self._history()
+            try:
+                messages, system = await self._history(model)
+            except _Failure:
+                raise
+            except Exception as error:  # the view could not be read or projected
+                raise _Failure("runtime_failure", error) from error
             ctx = StepContext(
                 step=step,
                 run=self.run,
@@ -639,16 +674,18 @@ class _Execution:
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
                 instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
             )
-            response = await self._stream(step, ctx.model, ctx.messages, params)
+            response, operation = await self._stream(step, ctx.model, ctx.messages, params)
             produced = canonical_parts(response, ctx.model.provider_name)
             self.parts.extend(produced)
-            await self.owned.checkpoint(self.parts)  # step finish
+            # step finish: the response and the request's completion in one commit
+            completed = operation.model_copy(update={"phase": "completed", "finished_at": _now()})
+            await self.owned.checkpoint(self.parts, completed)
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
             results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in calls)))
             self.parts.extend(results)
-            await self.owned.checkpoint(self.parts)  # tool results
+            # the tool results are checkpointed with the next request's admission, or by the terminal
             ctx.parts = tuple(self.parts)
             for policy in env.settings.stop_policies:
                 if await self._callback(policy.should_stop, ctx):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
@@ -33,6 +34,7 @@ from .errors import (
 from .events import AdmissionEvent, RunStateEvent, TerminalEvent, durable_event_id
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import AgentPrompt, ComposedAgentPrompt
+from .history.view import ConversationView
 from .loop import LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run, with_store_retry
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
@@ -44,6 +46,8 @@ from .tools import AgentTool
 from .usage import AgentUsage
 
 C = TypeVar("C")
+VIEW_CACHE_LIMIT = 256
+"""Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
 
 
 class AgentRuntimeClosedError(AgentRuntimeUsageError):
@@ -272,6 +276,8 @@ class AgentRuntime:
         self.closing = False
         self.lanes: dict[str, Lane] = {}
         self.waiters = Waiters()
+        self._views: OrderedDict[str, ConversationView] = OrderedDict()
+        self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
     # ---------------------------------------------------------------------------------- plumbing
 
@@ -315,6 +321,14 @@ class AgentRuntime:
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
         return await with_store_retry(call)
+
+    def _view(self, conversation_id: str) -> ConversationView:
+        """The cached view of a conversation (least recently used views are dropped beyond the limit)."""
+        view = self._views.pop(conversation_id, None) or ConversationView(conversation_id)
+        self._views[conversation_id] = view
+        while len(self._views) > VIEW_CACHE_LIMIT:
+            self._views.popitem(last=False)
+        return view
 
     def _lane(self, conversation_id: str) -> Lane:
         lane = self.lanes.get(conversation_id)
@@ -495,7 +509,9 @@ class AgentRuntime:
             instructions=lambda _execution: self._instructions(prompt_ctx),
             tools=lambda _execution: self._run_tools(prompt_ctx),
             publish=self.publish,
+            view=self._view(run.conversation_id),
             projection_options=self.projection_options,
+            _options_by_provider=self._options_by_provider,
         )
         try:
             outcome = await execute_run(env, acquired.run, control)

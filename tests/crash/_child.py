@@ -1,6 +1,11 @@
 """The crash child: runs the scenario of ``_scenario.py`` on a SQLite file and SIGKILLs itself at one point.
 
-Usage: ``python _child.py <workdir> <point>``. ``<workdir>`` holds ``threadline.db``, and receives
+Usage: ``python _child.py <workdir> <point> [<policy>]``, or ``python _child.py --serve`` (a fork server: it
+imports once, then for each ``<workdir> <point> [<policy>]`` line on stdin forks a child process that runs
+with its own event loop, SQLite connection and threads, waits for it and answers ``<exit code> <point>``;
+a child killed by SIGKILL answers ``-9``). With a ``<policy>`` (``requeue`` or ``abandon``) the child does
+not run the scenario: it is a second process recovering the crashed ``<workdir>`` with that policy for
+acquired runs, then retrying every key of the journal — and it dies at ``<point>`` too. ``<workdir>`` holds ``threadline.db``, and receives
 ``journal.log`` (``submitted <key>`` fsynced before each submit, ``admitted <key> <run_id>`` after its
 admission resolved), ``effects.log`` (the tool's effects) and ``trace.log`` (every point reached, with
 what it was about, then ``KILL <point>``). With point ``none`` it runs to the end and prints ``DONE``.
@@ -11,7 +16,8 @@ Points (counts are per conversation, 1-based, in the order this process reached 
 - ``mid:<op>:<conv>:<n>`` — inside its transaction, every row written, before ``COMMIT``;
 - ``after:<op>:<conv>:<n>`` — right after it returned (committed);
   ``<op>``: ``accept`` (accept_input_and_assign_run), ``acquire`` (acquire_run), ``checkpoint``
-  (checkpoint_run_assistant), ``record`` (record_run_operation), ``terminal`` (commit_run_terminal);
+  (checkpoint_run_assistant), ``record`` (record_run_operation), ``terminal`` (commit_run_terminal),
+  ``recover`` (recover_run);
 - ``stream:<conv>:<call>:<k>`` — after the loop consumed k deltas of the conversation's call-th model call;
 - ``tool:<before-effect|after-effect>:<conv>:<n>`` — around the n-th tool effect.
 
@@ -26,11 +32,14 @@ import asyncio
 import os
 import signal
 import sys
+import threading
+import time
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-from _scenario import INPUTS, Hooks, append_line, build_runtime, submit
+from _scenario import CONTEXT, CONVERSATIONS, INPUTS, POLICIES, Hooks, append_line, build_runtime, keys_in, submit
 
 from threadline import AgentRuntimeStore, create_sqlite_agent_runtime_store
 
@@ -120,6 +129,18 @@ class CrashStore(AgentRuntimeStore):
         detail = f"run={self._keys(kw['run_id'])} reason={kw['terminal_reason']}"
         return await self._guard("terminal", kw, super().commit_run_terminal, detail)
 
+    async def recover_run(self, **kw: Any) -> Any:
+        detail = f"run={self._keys(kw['run_id'])} action={kw['action']}"
+        return await self._guard("recover", kw, super().recover_run, detail)
+
+    async def learn_runs(self) -> None:
+        """Name the runs already in the database by their inputs' keys (for a recovering process)."""
+        for cid in CONVERSATIONS:
+            snapshot = await self.load_snapshot(conversation_id=cid)
+            texts = {m.id: "".join(p.text for p in m.parts if p.type == "text") for m in snapshot.messages}
+            for run in snapshot.runs:
+                self.run_keys[run.id] = [k for mid in run.input_message_ids for k in keys_in(texts.get(mid, ""))]
+
 
 class ChildHooks(Hooks):
     def __init__(self, tracer: Tracer) -> None:
@@ -147,14 +168,17 @@ class ChildHooks(Hooks):
         self.tracer.reach(f"tool:{stage}:{conversation_id}:{self.tools[conversation_id]}", f"call={call_id}")
 
 
-async def main(workdir: str, point: str) -> int:
+async def main(workdir: str, point: str, policy: str | None = None) -> int:
     tracer = Tracer(workdir, point)
     journal = os.path.join(workdir, "journal.log")
     handle = create_sqlite_agent_runtime_store(os.path.join(workdir, "threadline.db"))
     store = CrashStore(handle.driver, tracer)
     hooks = ChildHooks(tracer)
-    runtime = build_runtime(store, hooks, os.path.join(workdir, "effects.log"), owner_id="child")
+    owner_id = "child" if policy is None else "recoverer"
+    runtime = build_runtime(store, hooks, os.path.join(workdir, "effects.log"), owner_id=owner_id)
     tickets: dict[str, Any] = {}
+    if policy is not None:
+        return await recover_then_retry(runtime, store, hooks, tracer, journal, policy, handle)
 
     def send(key: str) -> None:
         append_line(journal, f"submitted {key}")
@@ -185,5 +209,80 @@ async def main(workdir: str, point: str) -> int:
     return 0 if not failures else 1
 
 
+async def recover_then_retry(
+    runtime: Any, store: CrashStore, hooks: ChildHooks, tracer: Tracer, journal: str, policy: str, handle: Any
+) -> int:
+    """The second process: recover the crashed file with ``policy``, then retry every journaled key."""
+    append_line(tracer.path, f"--- recover {policy}", fsync=False)
+    hooks.c1_queued.set()  # nothing to wait for in this process
+    await store.learn_runs()
+    decision = POLICIES[policy]
+    outcomes = await runtime.recover(resolve_context=lambda _run: CONTEXT, policy=lambda _run: decision)
+    failures = [f"{o.run_id}: {o.outcome} {o.error!r}" for o in outcomes if o.outcome in ("failed", "blocked")]
+    for outcome in outcomes:
+        if outcome.result is not None:
+            await asyncio.wait_for(outcome.result, 10)
+    with open(journal) as lines:
+        keys = list(dict.fromkeys(line.split()[1] for line in lines if line.startswith("submitted ")))
+    for key in keys:
+        append_line(journal, f"submitted {key}")
+        ticket = submit(runtime, key)
+        admission = await ticket.admission
+        append_line(journal, f"admitted {key} {admission.run_id}")
+        await asyncio.wait_for(ticket.result, 10)
+    await runtime.close()
+    await handle.close()
+    print("DONE" if not failures else f"FAILED {failures}")
+    return 0 if not failures else 1
+
+
+def _forked(workdir: str, point: str, policy: str | None) -> None:
+    """In the forked child: own stdio files, own event loop; never returns into the server's code."""
+    code = 70
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        code = asyncio.run(main(workdir, point, policy))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(timeout: float = 60.0) -> int:
+    """The fork server (see the module docstring). Forks only while it has a single thread."""
+    for line in sys.stdin:
+        workdir, point, *policy = line.split()
+        if threading.active_count() != 1:
+            raise RuntimeError("the fork server must stay single-threaded")
+        pid = os.fork()
+        if pid == 0:
+            _forked(workdir, point, policy[0] if policy else None)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                answer = str(os.waitstatus_to_exitcode(status))
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                answer = "timeout"
+                break
+            time.sleep(0.005)
+        print(f"{answer} {point}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2])))
+    if sys.argv[1:] == ["--serve"]:
+        sys.exit(serve())
+    sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2], *sys.argv[3:4])))

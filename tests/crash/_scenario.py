@@ -56,6 +56,10 @@ CONTEXT = {"user_id": "u1"}
 KEY = re.compile(r"\bk\d+\b")
 TOOL_NAME = "record_effect"
 CHECKPOINT_EVERY = 2
+POLICIES: dict[str, dict[str, Any]] = {
+    "requeue": {"action": "requeue", "replay_safe": True},
+    "abandon": {"action": "abandon", "stale_owner": True},
+}
 
 
 class Context(BaseModel):

@@ -90,12 +90,13 @@ async def turn(store: AgentRuntimeStore, cid: str, n: str, answer: str | None = 
 
 async def all_pages(store: AgentRuntimeStore, cid: str, **kwargs: Any) -> list[Any]:
     pages, cursor = [], None
-    while True:
+    for _ in range(500):  # a cursor that does not advance fails instead of looping for ever
         page = await store.conversations.messages(cid, cursor=cursor, **kwargs)
         pages.append(page)
         if page.next_cursor is None:
             return pages
         cursor = page.next_cursor
+    raise AssertionError(f"paging {cid} did not end: {[m.id for p in pages[:6] for m in p.items]}")
 
 
 def raw(path: Path) -> sqlite3.Connection:
@@ -494,9 +495,11 @@ async def test_trigger_guard_refuses_raw_insert_for_purged_conversation(db: Path
     try:
         statements = [
             "INSERT INTO threadline_conversations (conversation_id, version, body) VALUES ('c', 1, '{}')",
-            "INSERT INTO threadline_runs (conversation_id, run_id, active, body) VALUES ('c', 'r', 1, '{}')",
-            "INSERT INTO threadline_messages (conversation_id, message_id, band_rank, position, sub, seq, active, body)"
-            " VALUES ('c', 'm', 1, NULL, 0, 1, 1, '{}')",
+            "INSERT INTO threadline_runs (conversation_id, run_id, active, version, body)"
+            " VALUES ('c', 'r', 1, 1, '{}')",
+            "INSERT INTO threadline_messages"
+            " (conversation_id, message_id, band_rank, position, sub, seq, active, version, body)"
+            " VALUES ('c', 'm', 1, NULL, 0, 1, 1, 1, '{}')",
             "INSERT INTO threadline_admissions (conversation_id, idempotency_key, input_message_id, body)"
             " VALUES ('c', 'k', 'm', '{}')",
             "INSERT INTO threadline_seeds (conversation_id, seed_key, body) VALUES ('c', 's', '{}')",
@@ -552,6 +555,11 @@ async def test_include_compacted_pages_after_replacement(db: Path) -> None:
             assert [m.id for p in reversed(backward) for m in p.items] == full
         snapshot = await store.load_snapshot(conversation_id="c")
         assert [m.id for m in snapshot.messages] == ["sum", "t2:out", "t3:in", "t3:out"]
+        # the full-text index keeps compacted history searchable and indexes the summary
+        assert [m.id for m in await sqlite.search_messages("c", "summary")] == ["sum"]
+        found = await sqlite.search_messages("c", "t1")
+        assert {m.id for m in found} == {"t1:in", "t1:out", "sum"}
+        assert all(m.active == (m.id == "sum") for m in found)
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -702,6 +710,14 @@ async def test_concurrent_operations_serialize(db: Path) -> None:
 # ------------------------------------------------------------------------------ differential vs memory
 
 
+def test_rows_answer_every_request_of_the_driver_protocol() -> None:
+    from threadline.store import driver
+    from threadline.store.sqlite import _SqliteRows
+
+    missing = [name for name in driver._SYNC_DISPATCH.values() if not callable(getattr(_SqliteRows, name, None))]
+    assert missing == []
+
+
 class Pair:
     """The same calls on the memory reference store and on SQLite; answers must be equal."""
 
@@ -788,7 +804,9 @@ async def _scenario(both: Pair) -> None:
                     )
                 )
         await both(lambda s: s.load_snapshot(conversation_id=cid))
-        await both(lambda s: s.list_active_runs(conversation_id=cid))
+        version = (await both(lambda s: s.list_active_runs(conversation_id=cid))).version
+        for since in sorted({0, 1, 3, version - 2, version - 1, version, version + 5, -1}):
+            await both(lambda s, v=since: _changes(s, cid, v))  # type: ignore[misc]
 
     await both(
         lambda s: s.seed_conversation_input(
@@ -913,21 +931,33 @@ async def _scenario(both: Pair) -> None:
     await both(lambda s: _list_all(s, 1))
 
 
+async def _changes(store: AgentRuntimeStore, cid: str, since: int) -> Any:
+    """``load_changes`` with its rows in a canonical order (the driver may answer in any order)."""
+    changes = await store.load_changes(conversation_id=cid, since_version=since)
+    return (
+        changes.model_copy(update={"messages": (), "runs": ()}),
+        sorted(changes.messages, key=lambda m: m.id),
+        sorted(changes.runs, key=lambda r: r.id),
+    )
+
+
 async def _scan_all(store: AgentRuntimeStore, limit: int) -> list[Any]:
     pages, cursor = [], None
-    while True:
+    for _ in range(500):
         page = await store.scan_recoverable(cursor=cursor, limit=limit)
         pages.append(page)
         if page.next_cursor is None:
             return pages
         cursor = page.next_cursor
+    raise AssertionError("scan_recoverable paging did not end")
 
 
 async def _list_all(store: AgentRuntimeStore, limit: int) -> list[Any]:
     pages, cursor = [], None
-    while True:
+    for _ in range(500):
         page = await store.conversations.list(cursor=cursor, limit=limit)
         pages.append(page)
         if page.next_cursor is None:
             return pages
         cursor = page.next_cursor
+    raise AssertionError("conversations.list paging did not end")

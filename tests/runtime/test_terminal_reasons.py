@@ -200,14 +200,15 @@ async def test_terminal_acceptance_callback(store: Any) -> None:
 
 
 async def test_a_refused_owned_mutation_is_a_storage_conflict(store: Any) -> None:
-    original = store.record_run_operation
+    original = store.checkpoint_run_assistant
 
     async def refusing(**kwargs: Any) -> Any:
-        if kwargs["operation"].phase == "completed":
+        operation = kwargs.get("operation")
+        if operation is not None and operation.phase == "completed":  # the step-finish checkpoint
             raise AgentStoreConflictError("refused by the store", conversation_id=kwargs["conversation_id"])
         return await original(**kwargs)
 
-    store.record_run_operation = refusing
+    store.checkpoint_run_assistant = refusing
     result = await run_one(store, Script())
     assert (result.terminal_reason, result.run.state) == ("storage_conflict", "failed")
 

@@ -24,6 +24,7 @@ Every message gets one :class:`AgentProjectionDecision` saying what happened to 
 from __future__ import annotations
 
 import json
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -127,7 +128,9 @@ def project_agent_history_detailed(
             opts = AgentHistoryProjectionOptions.model_validate(options)
         except ValidationError as exc:
             raise AgentRecordValidationError(f"invalid projection options: {exc}", field="options") from exc
-    return _Projector(messages, opts).run()
+    projector = _Projector(opts)
+    projector.extend(messages)
+    return projector.result(messages)
 
 
 # ------------------------------------------------------------------------------------------ internals
@@ -148,26 +151,54 @@ class _Step:
     closed: bool = False
 
 
+class _Overlay:
+    """A set seen through a fork: reads the base, writes locally (the base is never mutated)."""
+
+    def __init__(self, base: set[str] | _Overlay) -> None:
+        self.base = base
+        self.local: set[str] = set()
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.local or item in self.base
+
+    def add(self, item: str) -> None:
+        self.local.add(item)
+
+
 class _Projector:
-    def __init__(self, messages: Sequence[Message], options: AgentHistoryProjectionOptions) -> None:
-        self.messages = messages
+    """A left-to-right pass that can be extended and forked: the runtime keeps one per conversation for
+    the settled history and forks it for each request's live tail, so a step costs the tail, not the
+    whole conversation."""
+
+    def __init__(self, options: AgentHistoryProjectionOptions) -> None:
         self.opts = options
-        self.live = {m.id: m for m in messages if m.active}
-        self.blocks: list[tuple[_Kind, list[Any]]] = []
+        self.live: dict[str, Message] | ChainMap[str, Message] = {}
+        self.taken: set[str] | _Overlay = set()
+        self.joined: dict[str, set[str]] = {}
+        self.built: list[ModelMessage] = []
+        self.last_kind: _Kind | None = None
         self.has_request = False
         self.system: list[str] = []
         self.decisions: dict[str, AgentProjectionDecision] = {}
-        self.call_ids: set[str] = set()
-        self.joined = self._claim_joined_inputs()
+        self.call_ids: set[str] | _Overlay = set()
 
-    def _claim_joined_inputs(self) -> dict[str, set[str]]:
+    def fork(self) -> _Projector:
+        other = _Projector(self.opts)
+        other.live = ChainMap({}, self.live)
+        other.taken = _Overlay(self.taken)
+        other.built = list(self.built)
+        other.last_kind = self.last_kind
+        other.has_request = self.has_request
+        other.system = list(self.system)
+        other.call_ids = _Overlay(self.call_ids)
+        return other
+
+    def _claim_joined_inputs(self, messages: Sequence[Message]) -> None:
         """User inputs each completed assistant absorbed at a step boundary (the first claim wins).
 
         Only a completed run's terminal commit absorbs joined input (DESIGN §4); the marker on any other
         assistant is ignored and the input stays where it is, an ordinary input."""
-        claimed: dict[str, set[str]] = {}
-        taken: set[str] = set()
-        for m in self.messages:
+        for m in messages:
             if not (m.active and m.role == "assistant" and m.status == "completed"):
                 continue
             for part in m.parts:
@@ -175,18 +206,21 @@ class _Projector:
                     continue
                 for uid in part.message_ids:
                     user = self.live.get(uid)
-                    if user is not None and user.role == "user" and uid not in taken:
-                        taken.add(uid)
-                        claimed.setdefault(m.id, set()).add(uid)
-        return claimed
+                    if user is not None and user.role == "user" and uid not in self.taken:
+                        self.taken.add(uid)
+                        self.joined.setdefault(m.id, set()).add(uid)
 
-    def run(self) -> AgentHistoryProjection:
-        pulled = set().union(*self.joined.values()) if self.joined else set()
-        for m in self.messages:
+    def extend(self, messages: Sequence[Message]) -> None:
+        """Project ``messages`` (causal order) after everything projected so far."""
+        for m in messages:
+            if m.active:
+                self.live[m.id] = m
+        self._claim_joined_inputs(messages)
+        for m in messages:
             if not m.active:
                 self._decide(m, "omitted", "compacted")
             elif m.role == "user":
-                if m.id not in pulled:  # placed at its step boundary by the assistant that absorbed it
+                if m.id not in self.taken:  # else placed at its step boundary by the assistant that absorbed it
                     self._user(m)
             elif m.role in ("system", "summary"):
                 text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
@@ -199,9 +233,11 @@ class _Projector:
                 self._decide(m, "omitted", "tool-message", detail="approval responses are not projected yet")
             else:
                 self._assistant(m)
-        order = [m.id for m in self.messages if m.id in self.decisions]
+
+    def result(self, order: Sequence[Message]) -> AgentHistoryProjection:
+        ids = [m.id for m in order if m.id in self.decisions]
         return AgentHistoryProjection(
-            messages=self._messages(), system=self.system, decisions=[self.decisions[i] for i in order]
+            messages=list(self.built), system=list(self.system), decisions=[self.decisions[i] for i in ids]
         )
 
     def _decide(self, m: Message, action: str, reason: str, omitted: list[str] | None = None, **kw: Any) -> None:
@@ -210,19 +246,18 @@ class _Projector:
         )
 
     def _emit(self, kind: _Kind, parts: list[Any]) -> None:
-        self.blocks.append((kind, parts))
+        """Adjacent requests merge; adjacent responses merge (neither holds an unanswered call, since every
+        kept call is followed by its returns). Merging builds a new message: forks share the old one."""
         self.has_request = self.has_request or kind == "request"
-
-    def _messages(self) -> list[ModelMessage]:
-        """Blocks to messages: adjacent requests merge; adjacent responses merge (neither holds an
-        unanswered call, since every kept call is followed by its returns)."""
-        merged: list[tuple[_Kind, list[Any]]] = []
-        for kind, parts in self.blocks:
-            if merged and merged[-1][0] == kind:
-                merged[-1][1].extend(parts)
-            else:
-                merged.append((kind, list(parts)))
-        return [ModelRequest(parts=p) if k == "request" else ModelResponse(parts=p) for k, p in merged]
+        if self.built and self.last_kind == kind:
+            previous = self.built[-1]
+            merged = [*previous.parts, *parts]
+            self.built[-1] = ModelRequest(parts=merged) if kind == "request" else ModelResponse(parts=merged)
+        else:
+            self.built.append(
+                ModelRequest(parts=list(parts)) if kind == "request" else ModelResponse(parts=list(parts))
+            )
+            self.last_kind = kind
 
     # ------------------------------------------------------------------------------------- users
 

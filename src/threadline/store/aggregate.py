@@ -25,6 +25,7 @@ from .results import (
     AcceptResult,
     ActiveRuns,
     CompactionResult,
+    ConversationChanges,
     ConversationPage,
     InterruptResult,
     LoadedRun,
@@ -171,8 +172,10 @@ class AgentRuntimeStore:
         owner_id: str,
         fencing_token: int,
         parts: Sequence[Part | Mapping[str, Any]],
+        operation: RunOperation | Mapping[str, Any] | None = None,
     ) -> RunResult:
-        """Write the streaming assistant draft of an owned run."""
+        """Write the streaming assistant draft of an owned run; with ``operation``, record its
+        ``last_operation`` phase in the same transaction (one commit for both)."""
         op = reducer.checkpoint_run_assistant(
             conversation_id=conversation_id,
             run_id=run_id,
@@ -180,6 +183,7 @@ class AgentRuntimeStore:
             owner_id=owner_id,
             fencing_token=fencing_token,
             parts=_parts(parts, "parts") or (),
+            operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             now=self._clock(),
         )
         return await self._run("checkpoint_run_assistant", op, "write")
@@ -337,6 +341,12 @@ class AgentRuntimeStore:
     async def load_snapshot(self, *, conversation_id: str) -> ConversationSnapshot:
         """Every active message in causal order and every run. Unbounded; see :meth:`load_run`."""
         return await self._run("load_snapshot", reducer.load_snapshot(conversation_id=conversation_id), "read")
+
+    async def load_changes(self, *, conversation_id: str, since_version: int = 0) -> ConversationChanges:
+        """The messages and runs written after ``since_version``; bounded by the change. Keeps a cached
+        view of a conversation current without reading it whole (see ``threadline.history.view``)."""
+        op = reducer.load_changes(conversation_id=conversation_id, since_version=since_version)
+        return await self._run("load_changes", op, "read")
 
     async def load_run(self, *, conversation_id: str, run_id: str) -> LoadedRun | None:
         """One run with the version it was read at and, once terminal, its answer. Bounded."""

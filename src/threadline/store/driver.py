@@ -117,6 +117,24 @@ class LoadHistory:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadMessagesSince:
+    """-> every message written by a conversation version greater than ``version`` (``Message.version``),
+    in any order; inactive ones only when ``include_inactive``."""
+
+    conversation_id: str
+    version: int
+    include_inactive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRunsSince:
+    """-> every run written by a conversation version greater than ``version`` (``Run.version``)."""
+
+    conversation_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class LoadUnsettled:
     """-> every message with no position yet (they belong to active runs), in any order."""
 
@@ -198,6 +216,8 @@ Request: TypeAlias = (
     | LoadSettledRange
     | LoadSeed
     | LoadHistory
+    | LoadMessagesSince
+    | LoadRunsSince
     | LoadUnsettled
     | PageSettled
     | ScanActiveRuns
@@ -225,6 +245,8 @@ class SyncRows(Protocol):
     def load_settled_range(self, r: LoadSettledRange) -> list[Message]: ...
     def load_seed(self, r: LoadSeed) -> SeedRecord | None: ...
     def load_history(self, r: LoadHistory) -> list[Message]: ...
+    def load_messages_since(self, r: LoadMessagesSince) -> list[Message]: ...
+    def load_runs_since(self, r: LoadRunsSince) -> list[Run]: ...
     def load_unsettled(self, r: LoadUnsettled) -> list[Message]: ...
     def page_settled(self, r: PageSettled) -> list[Message]: ...
     def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
@@ -246,6 +268,8 @@ class AsyncRows(Protocol):
     async def load_settled_range(self, r: LoadSettledRange) -> list[Message]: ...
     async def load_seed(self, r: LoadSeed) -> SeedRecord | None: ...
     async def load_history(self, r: LoadHistory) -> list[Message]: ...
+    async def load_messages_since(self, r: LoadMessagesSince) -> list[Message]: ...
+    async def load_runs_since(self, r: LoadRunsSince) -> list[Run]: ...
     async def load_unsettled(self, r: LoadUnsettled) -> list[Message]: ...
     async def page_settled(self, r: PageSettled) -> list[Message]: ...
     async def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
@@ -300,6 +324,8 @@ _SYNC_DISPATCH: dict[type, str] = {
     LoadSettledRange: "load_settled_range",
     LoadSeed: "load_seed",
     LoadHistory: "load_history",
+    LoadMessagesSince: "load_messages_since",
+    LoadRunsSince: "load_runs_since",
     LoadUnsettled: "load_unsettled",
     PageSettled: "page_settled",
     ScanActiveRuns: "scan_active_runs",

@@ -24,9 +24,11 @@ from .driver import (
     LoadHead,
     LoadHistory,
     LoadMessages,
+    LoadMessagesSince,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
     LoadUnsettled,
@@ -111,6 +113,16 @@ class _Rows:
     def load_history(self, r: LoadHistory) -> list[Message]:
         conv = self._conv(r.conversation_id)
         return [m for m in conv.messages.values() if m.active] if conv else []
+
+    def load_messages_since(self, r: LoadMessagesSince) -> list[Message]:
+        conv = self._conv(r.conversation_id)
+        if conv is None:
+            return []
+        return [m for m in conv.messages.values() if m.version > r.version and (m.active or r.include_inactive)]
+
+    def load_runs_since(self, r: LoadRunsSince) -> list[Run]:
+        conv = self._conv(r.conversation_id)
+        return [run for run in conv.runs.values() if run.version > r.version] if conv else []
 
     def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
         conv = self._conv(r.conversation_id)

@@ -55,9 +55,11 @@ from .driver import (
     LoadHead,
     LoadHistory,
     LoadMessages,
+    LoadMessagesSince,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
     LoadUnsettled,
@@ -73,6 +75,7 @@ from .results import (
     AcceptResult,
     ActiveRuns,
     CompactionResult,
+    ConversationChanges,
     ConversationPage,
     InterruptResult,
     LoadedRun,
@@ -450,8 +453,10 @@ def checkpoint_run_assistant(
     fencing_token: int,
     parts: Sequence[Part],
     now: Timestamp,
+    operation: RunOperation | None = None,
 ) -> Operation[RunResult]:
-    """Write the run's streaming assistant draft. Verifies owner, fencing token and revision."""
+    """Write the run's streaming assistant draft (and, when given, its ``last_operation`` in the same
+    transaction). Verifies owner, fencing token and revision."""
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "checkpoint")
@@ -471,7 +476,8 @@ def checkpoint_run_assistant(
             created_at=now,
             seq=head.message_seq,
         )
-    updated = _evolve(run, revision=run.revision + 1, updated_at=now)
+    changes: dict[str, object] = {"last_operation": operation} if operation is not None else {}
+    updated = _evolve(run, revision=run.revision + 1, updated_at=now, **changes)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
     yield Write(w)
     return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0])
@@ -891,6 +897,26 @@ def load_snapshot(*, conversation_id: str) -> Operation[ConversationSnapshot]:
         version=state.head.version,
         messages=tuple(causal_order(messages, runs)),
         runs=tuple(ordered_runs),
+    )
+
+
+def load_changes(*, conversation_id: str, since_version: int = 0) -> Operation[ConversationChanges]:
+    """The rows written after ``since_version``: what a reader holding the conversation as of that version
+    needs to catch up. Bounded by the change, not by the conversation (``since_version=0`` reads it all)."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return ConversationChanges(conversation_id=conversation_id, version=0, reset=True)
+    version = state.head.version
+    if since_version > version or since_version < 0:
+        since_version, reset = 0, True
+    else:
+        reset = since_version == 0
+    if since_version == version:
+        return ConversationChanges(conversation_id=conversation_id, version=version)
+    messages: list[Message] = yield LoadMessagesSince(conversation_id, since_version, since_version > 0)
+    runs: list[Run] = yield LoadRunsSince(conversation_id, since_version)
+    return ConversationChanges(
+        conversation_id=conversation_id, version=version, messages=tuple(messages), runs=tuple(runs), reset=reset
     )
 
 

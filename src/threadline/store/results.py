@@ -118,3 +118,15 @@ class MessagePage(_Result):
 class ConversationPage(_Result):
     items: tuple[ConversationHead, ...]
     next_cursor: str | None = None
+
+
+class ConversationChanges(_Result):
+    """What changed in a conversation after ``since_version``: the messages (inactive ones included, so a
+    reader can drop what compaction replaced) and runs written since. ``reset`` means the reader must
+    start over (the conversation is unknown, purged, or ``since_version`` is ahead of the store)."""
+
+    conversation_id: str
+    version: int
+    messages: tuple[Message, ...] = ()
+    runs: tuple[Run, ...] = ()
+    reset: bool = False

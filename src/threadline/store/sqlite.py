@@ -50,9 +50,11 @@ from .driver import (
     LoadHead,
     LoadHistory,
     LoadMessages,
+    LoadMessagesSince,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
     LoadUnsettled,
@@ -87,6 +89,7 @@ _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 _SQLITE_CONSTRAINT_TRIGGER = 1811  # SQLITE_CONSTRAINT | (7 << 8): RAISE(ABORT) in a trigger
 _CHUNK = 500  # ids per IN (...) list, well under SQLite's variable limit
+_CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages are touched)
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
 _CACHE_MAX_ROW = 16 * 1024
 _INT64_MAX = 2**63 - 1
@@ -113,15 +116,15 @@ _TABLES: dict[str, str] = {
     ),
     "threadline_runs": (
         "CREATE TABLE threadline_runs ("
-        "conversation_id TEXT NOT NULL, run_id TEXT NOT NULL, active INTEGER NOT NULL, body TEXT NOT NULL, "
-        "PRIMARY KEY (conversation_id, run_id))"
+        "conversation_id TEXT NOT NULL, run_id TEXT NOT NULL, active INTEGER NOT NULL, version INTEGER NOT NULL, "
+        "body TEXT NOT NULL, PRIMARY KEY (conversation_id, run_id))"
     ),
     # row_id is an explicit INTEGER PRIMARY KEY so VACUUM never renumbers it: the full-text rows use it.
     "threadline_messages": (
         "CREATE TABLE threadline_messages ("
         "row_id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL, message_id TEXT NOT NULL, "
         "band_rank INTEGER NOT NULL, position INTEGER, sub INTEGER NOT NULL, seq INTEGER NOT NULL, "
-        "active INTEGER NOT NULL, body TEXT NOT NULL, UNIQUE (conversation_id, message_id))"
+        "active INTEGER NOT NULL, version INTEGER NOT NULL, body TEXT NOT NULL, UNIQUE (conversation_id, message_id))"
     ),
     "threadline_admissions": (
         "CREATE TABLE threadline_admissions ("
@@ -141,6 +144,10 @@ _TABLES: dict[str, str] = {
 _INDEXES: dict[str, str] = {
     "threadline_runs_active": (
         "CREATE INDEX threadline_runs_active ON threadline_runs (conversation_id, run_id) WHERE active = 1"
+    ),
+    "threadline_runs_version": ("CREATE INDEX threadline_runs_version ON threadline_runs (conversation_id, version)"),
+    "threadline_messages_version": (
+        "CREATE INDEX threadline_messages_version ON threadline_messages (conversation_id, version)"
     ),
     "threadline_messages_settled": (
         "CREATE INDEX threadline_messages_settled ON threadline_messages "
@@ -210,6 +217,17 @@ _SETTLED_RANGE = (
 )
 _SEED = "SELECT seed_key, body FROM threadline_seeds WHERE conversation_id = ? AND seed_key = ?"
 _HISTORY = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND active = 1"
+_MESSAGES_SINCE = (
+    "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND version > ? "
+    "ORDER BY version, row_id"
+)
+_ACTIVE_MESSAGES_SINCE = (
+    "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND version > ? AND active = 1 "
+    "ORDER BY version, row_id"
+)
+_RUNS_SINCE = (
+    "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND version > ? ORDER BY version, rowid"
+)
 _UNSETTLED = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND position IS NULL"
 _SCAN = (
     "SELECT conversation_id, run_id, body FROM threadline_runs AS r WHERE active = 1 {after}"
@@ -228,14 +246,16 @@ _UPSERT_HEAD = (
     "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body"
 )
 _UPSERT_RUN = (
-    "INSERT INTO threadline_runs (conversation_id, run_id, active, body) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (conversation_id, run_id) DO UPDATE SET active = excluded.active, body = excluded.body"
+    "INSERT INTO threadline_runs (conversation_id, run_id, active, version, body) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
+    "active = excluded.active, version = excluded.version, body = excluded.body"
 )
 _UPSERT_MESSAGE = (
-    "INSERT INTO threadline_messages (conversation_id, message_id, band_rank, position, sub, seq, active, body) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
+    "INSERT INTO threadline_messages "
+    "(conversation_id, message_id, band_rank, position, sub, seq, active, version, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
     "band_rank = excluded.band_rank, position = excluded.position, sub = excluded.sub, seq = excluded.seq, "
-    "active = excluded.active, body = excluded.body"
+    "active = excluded.active, version = excluded.version, body = excluded.body"
 )
 _INSERT_RECEIPT = (
     "INSERT INTO threadline_admissions (conversation_id, idempotency_key, input_message_id, body) VALUES (?, ?, ?, ?)"
@@ -261,16 +281,11 @@ _SORT_COLUMNS = ("band_rank", "position", "sub", "seq")
 
 
 def _is_busy(error: sqlite3.Error) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED, including their extended codes (the low byte is the primary code)."""
     code = getattr(error, "sqlite_errorcode", None)
-    return (
-        isinstance(error, sqlite3.OperationalError)
-        and code is not None
-        and code & 0xFF
-        in (
-            _SQLITE_BUSY,
-            _SQLITE_LOCKED,
-        )
-    )
+    if not isinstance(error, sqlite3.OperationalError) or code is None:
+        return False
+    return code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
 
 
 def _map_error(error: sqlite3.Error, filename: str) -> Exception | None:
@@ -369,7 +384,9 @@ def _cursor_condition(cursor: Sequence[int], direction: Literal["after", "before
     (cursors from callers may be shorter or longer than the four sort columns)."""
     values = [_clamp(int(v)) for v in cursor]
     n = len(values)
-    if n == 4 or n < 4:
+    if n == 4:
+        op = ">" if direction == "after" else "<"
+    elif n < 4:  # equal prefix: the longer key is greater
         op = ">=" if direction == "after" else "<"
     else:  # equal prefix: the shorter key (ours) is smaller
         values = values[:4]
@@ -500,7 +517,9 @@ class _SqliteRows:
 
     def load_settled_range(self, r: LoadSettledRange) -> list[Message]:
         lo, hi = _clamp(r.lo), _clamp(r.hi)
-        return self._messages(r.conversation_id, self.conn.execute(_SETTLED_RANGE, (r.conversation_id, lo, hi)))
+        return self._messages(
+            r.conversation_id, self.conn.execute(_SETTLED_RANGE, (r.conversation_id, lo, hi)).fetchall()
+        )
 
     def load_seed(self, r: LoadSeed) -> SeedRecord | None:
         row = self.conn.execute(_SEED, (r.conversation_id, r.seed_key)).fetchone()
@@ -515,10 +534,19 @@ class _SqliteRows:
         return seed
 
     def load_history(self, r: LoadHistory) -> list[Message]:
-        return self._messages(r.conversation_id, self.conn.execute(_HISTORY, (r.conversation_id,)))
+        return self._messages(r.conversation_id, self.conn.execute(_HISTORY, (r.conversation_id,)).fetchall())
+
+    def load_messages_since(self, r: LoadMessagesSince) -> list[Message]:
+        sql = _MESSAGES_SINCE if r.include_inactive else _ACTIVE_MESSAGES_SINCE
+        version = _clamp(r.version)
+        return self._messages(r.conversation_id, self.conn.execute(sql, (r.conversation_id, version)).fetchall())
+
+    def load_runs_since(self, r: LoadRunsSince) -> list[Run]:
+        rows = self.conn.execute(_RUNS_SINCE, (r.conversation_id, _clamp(r.version))).fetchall()
+        return self._runs(r.conversation_id, rows)
 
     def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
-        return self._messages(r.conversation_id, self.conn.execute(_UNSETTLED, (r.conversation_id,)))
+        return self._messages(r.conversation_id, self.conn.execute(_UNSETTLED, (r.conversation_id,)).fetchall())
 
     def page_settled(self, r: PageSettled) -> list[Message]:
         sql = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND position IS NOT NULL"
@@ -532,7 +560,7 @@ class _SqliteRows:
         order = "ASC" if r.direction == "after" else "DESC"
         sql += " ORDER BY " + ", ".join(f"{c} {order}" for c in _SORT_COLUMNS) + " LIMIT ?"
         params.append(r.limit)
-        return self._messages(r.conversation_id, self.conn.execute(sql, params))
+        return self._messages(r.conversation_id, self.conn.execute(sql, params).fetchall())
 
     def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]:
         if r.after is None:
@@ -546,9 +574,9 @@ class _SqliteRows:
 
     def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
         if r.after is None:
-            rows = self.conn.execute(_CONVERSATIONS_FIRST, (r.limit,))
+            rows = self.conn.execute(_CONVERSATIONS_FIRST, (r.limit,)).fetchall()
         else:
-            rows = self.conn.execute(_CONVERSATIONS_AFTER, (r.after, r.limit))
+            rows = self.conn.execute(_CONVERSATIONS_AFTER, (r.after, r.limit)).fetchall()
         return [self._head(cid, body) for cid, body in rows]
 
     def _encode(self, record: BaseModel) -> str:
@@ -568,7 +596,9 @@ class _SqliteRows:
         try:
             conn.execute(_UPSERT_HEAD, (cid, m.head.version, encode(m.head)))
             if m.runs:
-                runs = [(run.conversation_id, run.id, 1 if run.active else 0, encode(run)) for run in m.runs]
+                runs = [
+                    (run.conversation_id, run.id, 1 if run.active else 0, run.version, encode(run)) for run in m.runs
+                ]
                 if len(runs) == 1:
                     conn.execute(_UPSERT_RUN, runs[0])
                 else:
@@ -583,6 +613,7 @@ class _SqliteRows:
                         1 if msg.role == "summary" else 0,
                         msg.seq,
                         1 if msg.active else 0,
+                        msg.version,
                         encode(msg),
                     )
                     for msg in m.messages
@@ -621,13 +652,9 @@ class _SqliteRows:
 # ----------------------------------------------------------------------------------------- worker thread
 
 
-def _deliver(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # the awaiting task was cancelled; the transaction already committed or rolled back
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():  # else the awaiting task was cancelled; the transaction committed or rolled back
+        future.set_result(None)
 
 
 def _fts5_available(conn: sqlite3.Connection) -> bool:
@@ -679,7 +706,8 @@ class SqliteStoreDriver:
             self._initialize(conn)
         except BaseException as error:
             if conn is not None:
-                conn.close()
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
             if isinstance(error, sqlite3.Error):
                 mapped = _map_error(error, self.filename)
                 if isinstance(mapped, AgentStoreUnavailableError) and _is_notadb(error):
@@ -696,23 +724,21 @@ class SqliteStoreDriver:
         ready.set()
         get = self._jobs.get
         while True:
-            fn, args, loop, future = get()
+            fn, args, loop, future, box = get()
             if fn is None:  # close: every job accepted before it has run
                 try:
                     conn.close()
-                    ok, value = True, None
+                    box += (True, None)
                 except BaseException as error:
-                    ok, value = False, error
-                _post(loop, future, ok, value)
+                    box += (False, error)
+                _post(loop, future)
                 return
             try:
-                value = fn(*args)
-                ok = True
+                box += (True, fn(*args))
             except BaseException as error:
-                value = error
-                ok = False
-            _post(loop, future, ok, value)
-            del fn, args, loop, future, value
+                box += (False, error)
+            _post(loop, future)
+            del fn, args, loop, future, box
 
     def _initialize(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA busy_timeout = 0")
@@ -722,20 +748,19 @@ class SqliteStoreDriver:
                 f"{self.filename}: SQLite refused WAL journal mode (got {mode!r}); threadline needs WAL"
             )
         conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+        conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
         if not _fts5_available(conn):
             raise AgentStoreSchemaError(
                 f"threadline requires SQLite built with FTS5 (SQLite {sqlite3.sqlite_version} at "
                 f"{sqlite3.__file__} has no ENABLE_FTS5); use a Python whose sqlite3 includes FTS5"
             )
-        conn.execute("BEGIN")
         try:
+            conn.execute("BEGIN")
             present = self._inspect(conn)
-        finally:
             conn.execute("COMMIT")
-        if present:
-            return
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+            if present:
+                return
+            conn.execute("BEGIN IMMEDIATE")
             if not self._inspect(conn):  # still empty under the write lock: create everything at once
                 for sql in _REQUIRED.values():
                     conn.execute(sql)
@@ -745,8 +770,7 @@ class SqliteStoreDriver:
                 )
             conn.execute("COMMIT")
         except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            self._rollback(conn)
             raise
 
     def _inspect(self, conn: sqlite3.Connection) -> bool:
@@ -820,17 +844,32 @@ class SqliteStoreDriver:
 
     # ------------------------------------------------------------------------------ loop side
 
-    def _submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the worker thread and return its result (or raise its exception).
+
+        The answer travels in ``box``, not in the future: asyncio keeps the waking future referenced until
+        the loop finishes its batch, and a large answer (a whole snapshot) freed there would make the next
+        job wait for the GIL. This way the caller alone decides when an answer is freed.
+        """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        future: asyncio.Future[None] = loop.create_future()
+        box: list[Any] = []
         with self._lock:
             if self._closed:
                 raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
-            self._jobs.put((fn, args, loop, future))
-        return future
+            self._jobs.put((fn, args, loop, future, box))
+        await future
+        ok, value = box
+        box.clear()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value
 
     async def run(self, operation: Operation[T], *, access: Access, stats: OperationStats) -> T:
-        return await self._submit(self._transaction, operation, access, stats)
+        return await self._call(self._transaction, operation, access, stats)
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
         if not isinstance(conversation_id, str) or not conversation_id:
@@ -841,7 +880,7 @@ class SqliteStoreDriver:
             raise AgentRecordValidationError(
                 f"limit must be between 1 and {MAX_SEARCH_LIMIT}, got {limit!r}", field="limit"
             )
-        return await self._submit(self._search, conversation_id, query, limit)
+        return await self._call(self._search, conversation_id, query, limit)
 
     async def aclose(self) -> None:
         """Let every accepted job finish, close the connection and stop the thread. Idempotent."""
@@ -851,7 +890,7 @@ class SqliteStoreDriver:
                 loop = asyncio.get_running_loop()
                 future = self._close_future = loop.create_future()
                 self._closed = True
-                self._jobs.put((None, (), loop, future))
+                self._jobs.put((None, (), loop, future, []))
         if future is None:
             return
         if future.get_loop() is asyncio.get_running_loop():
@@ -861,9 +900,9 @@ class SqliteStoreDriver:
         self._thread.join()
 
 
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
     with contextlib.suppress(RuntimeError):  # the loop was closed: nobody is waiting any more
-        loop.call_soon_threadsafe(_deliver, future, ok, value)
+        loop.call_soon_threadsafe(_wake, future)
 
 
 def _is_notadb(error: sqlite3.Error) -> bool:

@@ -1,0 +1,34 @@
+"""The turn workload shared by ``bench/turns.py`` (threadline) and ``bench/langgraph_turns.py`` (LangGraph).
+
+Plain constants only (no imports), so either environment (``.venv`` or ``bench/.venv-peers``) can use it.
+Every turn: one user question; the model calls ``lookup(query)`` once; the tool returns ``TOOL_RESULT``;
+the model answers with ``ANSWER`` (about 200 characters). The model answers at once (zero latency).
+"""
+
+from __future__ import annotations
+
+TOOL_NAME = "lookup"
+QUERY = "durable conversations"
+TOOL_RESULT = {"query": QUERY, "hits": 3, "top": "threadline", "score": 0.92}
+ANSWER = (
+    "Here is what I found: the lookup returned three matching records for your query, the most relevant "
+    "one is threadline; durable conversations keep every turn on disk so a restart loses nothing at all."
+)
+assert 190 <= len(ANSWER) <= 210
+
+
+def question(k: int) -> str:
+    return f"Question {k}: what do we know about durable conversations?"
+
+
+def machine_line() -> str:
+    """A ``#`` comment line with the load average: other work on the machine skews the medians."""
+    try:
+        with open("/proc/loadavg") as f:
+            load = " ".join(f.read().split()[:3])
+    except OSError:
+        load = "unknown"
+    import os
+    import platform
+
+    return f"# machine: cpus={os.cpu_count()} loadavg={load} python={platform.python_version()}"

@@ -1,0 +1,126 @@
+"""A cached view of one conversation that a runtime keeps current by reading only what changed.
+
+Every stored message and run carries the conversation version that last wrote it, so
+``store.load_changes(since_version=v)`` returns just the rows newer than the view. Settled history is
+append-mostly (positions are handed out in order), so the view appends in O(1) and re-sorts only when
+compaction or a ``lead`` seed changes the past. The projection of settled history is kept too and only
+extended; each request forks it and projects the live tail. A step therefore costs the tail, not the
+conversation — the full snapshot is read once, when the view is built.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from ..records import Message, Run
+from ..store.results import ConversationChanges
+from .projection import AgentHistoryProjectionOptions, _Projector
+
+
+class ConversationView:
+    """Active history of one conversation in causal order, refreshed incrementally."""
+
+    def __init__(self, conversation_id: str) -> None:
+        self.conversation_id = conversation_id
+        self.version = 0
+        self.generation = 0
+        """Bumped whenever settled history changed other than by appending (compaction, lead seeds)."""
+        self._settled: list[Message] = []
+        self._keys: list[tuple[int, ...]] = []
+        self._unsettled: dict[str, Message] = {}
+        self._by_id: dict[str, Message] = {}
+        self._runs: dict[str, Run] = {}
+        self._projector: _Projector | None = None
+        self._projected = 0
+        self._projected_generation = -1
+        self._projected_options: AgentHistoryProjectionOptions | None = None
+
+    async def refresh(self, store: object) -> None:
+        """Catch up with the store (one bounded read of what changed since ``version``)."""
+        changes = await store.load_changes(conversation_id=self.conversation_id, since_version=self.version)  # type: ignore[attr-defined]
+        self.apply(changes)
+
+    def apply(self, changes: ConversationChanges) -> None:
+        if changes.reset:
+            self._settled, self._keys, self._unsettled, self._by_id, self._runs = [], [], {}, {}, {}
+            self.generation += 1
+        for run in changes.runs:
+            if run.active:
+                self._runs[run.id] = run
+            else:
+                self._runs.pop(run.id, None)
+        for message in sorted(changes.messages, key=_arrival):
+            self._remove(message.id)
+            if not message.active:
+                continue
+            self._by_id[message.id] = message
+            if message.position is None:
+                self._unsettled[message.id] = message
+                continue
+            key = message.sort_key
+            if self._keys and key < self._keys[-1]:
+                self.generation += 1
+                index = bisect_left(self._keys, key)
+                self._keys.insert(index, key)
+                self._settled.insert(index, message)
+            else:
+                self._keys.append(key)
+                self._settled.append(message)
+        self.version = changes.version
+
+    def _remove(self, message_id: str) -> None:
+        old = self._by_id.pop(message_id, None)
+        if old is None:
+            return
+        if old.position is None:
+            self._unsettled.pop(message_id, None)
+            return
+        index = bisect_left(self._keys, old.sort_key)
+        if index < len(self._keys) and self._settled[index].id == message_id:
+            del self._keys[index], self._settled[index]
+            self.generation += 1
+
+    @property
+    def settled(self) -> Sequence[Message]:
+        return self._settled
+
+    @property
+    def active_runs(self) -> list[Run]:
+        return sorted(self._runs.values(), key=lambda r: r.execution_order_key)
+
+    def tail(self, up_to_run_id: str | None = None) -> list[Message]:
+        """Unsettled messages in execution order (inputs before the assistant inside a run), up to and
+        including run ``up_to_run_id`` when given."""
+        out: list[Message] = []
+        for run in self.active_runs:
+            mine = [m for m in self._unsettled.values() if m.run_id == run.id]
+            mine.sort(key=lambda m: (m.role == "assistant", m.seq))
+            out.extend(mine)
+            if run.id == up_to_run_id:
+                break
+        return out
+
+    def messages_of(self, run_ids: set[str]) -> list[Message]:
+        return sorted((m for m in self._unsettled.values() if m.run_id in run_ids), key=lambda m: m.seq)
+
+    def projector(self, options: AgentHistoryProjectionOptions) -> _Projector:
+        """The projection of settled history, extended to the newest settled message. Fork it per request."""
+        if (
+            self._projector is None
+            or self._projected_generation != self.generation
+            or self._projected_options is not options
+        ):
+            self._projector = _Projector(options)
+            self._projected = 0
+            self._projected_generation = self.generation
+            self._projected_options = options
+        if self._projected < len(self._settled):
+            self._projector.extend(self._settled[self._projected :])
+            self._projected = len(self._settled)
+        return self._projector
+
+
+def _arrival(message: Message) -> tuple[int, ...]:
+    # settled messages in causal order so appends stay appends; unsettled ones after
+    return (0, *message.sort_key) if message.position is not None else (1, message.seq)

@@ -49,11 +49,10 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import tool
+from langgraph.prebuilt import create_react_agent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question  # noqa: E402
-
-from langgraph.prebuilt import create_react_agent  # noqa: E402
+from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question
 
 
 class ScriptedChatModel(BaseChatModel):
@@ -78,7 +77,9 @@ class ScriptedChatModel(BaseChatModel):
     ) -> ChatResult:
         return ChatResult(generations=[ChatGeneration(message=self._respond(messages))])
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kwargs: Any
+    ) -> ChatResult:
         return ChatResult(generations=[ChatGeneration(message=self._respond(messages))])
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> ScriptedChatModel:  # type: ignore[override]
@@ -142,8 +143,9 @@ class Grower:
             status = checkpoint(self.path)
             tail = self.all_times[-20:]
             print(
-                f"system=langgraph store=sqlite messages={self.messages} per_turn_ms={statistics.median(tail) / 1e6:.2f} "
-                f"db_bytes={db_bytes(self.path)} turns={self.turns} saver={self.saver} history=real "
+                f"system=langgraph store=sqlite messages={self.messages} "
+                f"per_turn_ms={statistics.median(tail) / 1e6:.2f} db_bytes={db_bytes(self.path)} "
+                f"turns={self.turns} saver={self.saver} history=real "
                 f"total_s={sum(self.all_times) / 1e9:.1f} checkpoint={status} "
                 f"(per_turn_ms: median of the last 20 turns)",
                 flush=True,

@@ -32,9 +32,9 @@ thread's time inside transactions (timed through two private hooks; a frame of o
 checkpoints the WAL and prints the file size (DESIGN §5: under 5 MB).
 
 ``--profile`` runs cProfile over a second, untimed window at the largest size (``--profile-size`` picks
-another), so the printed medians are never taken under the profiler: the event-loop thread (top 25 by cumulative time, and
-top 15 by own time) and the SQLite worker thread of the store (same, separately; cProfile sees one thread
-at a time).
+another), so the printed medians are never taken under the profiler: the event-loop thread (top 25 by
+cumulative time, and top 15 by own time) and the SQLite worker thread of the store (the same, separately;
+cProfile sees one thread at a time).
 
 ``--publish json`` measures the cost of a publisher: two conversations grow side by side in the same
 database, one runtime without ``publish=`` and one whose callback serializes every event with
@@ -79,7 +79,7 @@ from threadline import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question  # noqa: E402
+from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question
 
 SEED_BATCH = 200  # messages per seed_conversation_input call
 WARMUP_TURNS = 2  # untimed real turns right before every window
@@ -367,11 +367,13 @@ async def window(
             f"  store_roundtrip_ms_per_turn={store_ms:.2f} worker_in_read_tx_ms_per_turn={tx_ms['read']:.2f} "
             f"worker_in_write_tx_ms_per_turn={tx_ms['write']:.2f} (the rest of a turn is event-loop work)"
         )
-    for pub, (e0, ns0, b0), conv in zip(publishers, events0, [c for c in convs if c.publisher is not None]):
+    for pub, (e0, ns0, b0), conv in zip(
+        publishers, events0, [c for c in convs if c.publisher is not None], strict=True
+    ):
         events = pub.events - e0
         per_turn_events = events / turns
         # turns alternate, so pair them: the median of paired differences is steadier than a difference of medians
-        diff_us = statistics.median(p - b for p, b in zip(conv.times_ns, base.times_ns)) / 1e3
+        diff_us = statistics.median(p - b for p, b in zip(conv.times_ns, base.times_ns, strict=True)) / 1e3
         print(
             f"system=threadline store=sqlite messages={size} publish=json events_per_turn={per_turn_events:g} "
             f"per_turn_ms={statistics.median(conv.times_ns) / 1e6:.2f} baseline_per_turn_ms={median_ms:.2f} "
@@ -391,10 +393,11 @@ async def window(
         loop_prof.disable()
         await driver_call(store, worker_prof.disable)
         n_turns = turns * len(convs)
-        print_profile(f"event-loop thread, window at {size} messages ({n_turns} turns)", loop_prof, 25, "cumulative")
-        print_profile(f"event-loop thread, window at {size} messages ({n_turns} turns)", loop_prof, 15, "tottime")
-        print_profile(f"SQLite worker thread, window at {size} messages ({n_turns} turns)", worker_prof, 25, "cumulative")
-        print_profile(f"SQLite worker thread, window at {size} messages ({n_turns} turns)", worker_prof, 15, "tottime")
+        where = f"window at {size} messages ({n_turns} turns)"
+        print_profile(f"event-loop thread, {where}", loop_prof, 25, "cumulative")
+        print_profile(f"event-loop thread, {where}", loop_prof, 15, "tottime")
+        print_profile(f"SQLite worker thread, {where}", worker_prof, 25, "cumulative")
+        print_profile(f"SQLite worker thread, {where}", worker_prof, 15, "tottime")
 
 
 async def growth_run(args: argparse.Namespace, tmp: Path) -> None:

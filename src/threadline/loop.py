@@ -418,6 +418,7 @@ class _Execution:
         self.claims: dict[str, AbsorbClaim] = {}
         self.sequence = 0
         self.steps = 0
+        self._prefix_call_ids: Any = frozenset()
 
     @property
     def run(self) -> Run:
@@ -500,9 +501,28 @@ class _Execution:
         options = self.env.projection_options
         if model.provider_name != options.provider_name:
             options = self.env.projection_options_for(model.provider_name)
-        projector = view.projector(options).fork()
+        prefix = view.projector(options)
+        self._prefix_call_ids = prefix.call_ids
+        projector = prefix.fork()
         projector.extend(tail)
         return projector.built, projector.system
+
+    def _unique_call_ids(self, parts: list[Part]) -> list[Part]:
+        """Canonical call ids are unique in the conversation (some providers refuse a repeated id, and
+        scripted models reuse them): a colliding id gets a suffix; its result is recorded under it."""
+        taken = {p.call_id for p in self.parts if p.type in ("tool-call", "tool-result")}
+        out: list[Part] = []
+        for p in parts:
+            if p.type == "tool-call":
+                call_id, n = p.call_id, 1
+                while call_id in taken or call_id in self._prefix_call_ids:
+                    n += 1
+                    call_id = f"{p.call_id}~{n}"
+                taken.add(call_id)
+                if call_id != p.call_id:
+                    p = p.model_copy(update={"call_id": call_id})
+            out.append(p)
+        return out
 
     async def _stream(
         self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any
@@ -675,7 +695,7 @@ class _Execution:
                 instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
             )
             response, operation = await self._stream(step, ctx.model, ctx.messages, params)
-            produced = canonical_parts(response, ctx.model.provider_name)
+            produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
             completed = operation.model_copy(update={"phase": "completed", "finished_at": _now()})

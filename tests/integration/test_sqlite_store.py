@@ -438,6 +438,17 @@ async def test_busy_write_lock_is_refused_at_once_and_writes_nothing(db: Path) -
             holder.close()
 
 
+async def test_handles_opened_at_once_on_a_fresh_file_agree_on_one_schema(db: Path) -> None:
+    handles = await asyncio.gather(*(asyncio.to_thread(create_sqlite_agent_runtime_store, db) for _ in range(4)))
+    try:
+        for i, handle in enumerate(handles):
+            await turn(handle.store, f"c{i}", "t1")
+        assert len((await handles[0].conversations.list()).items) == 4
+    finally:
+        for handle in handles:
+            await handle.close()
+
+
 async def test_two_handles_share_one_file(db: Path) -> None:
     async with (
         create_sqlite_agent_runtime_store(filename=db) as a,
@@ -513,15 +524,25 @@ async def test_trigger_guard_refuses_raw_insert_for_purged_conversation(db: Path
         conn.close()
 
 
-async def test_purge_refusal_by_a_stale_writer_maps_to_purged(db: Path) -> None:
-    """A tombstone written behind the store's back (another writer) is enforced by the triggers."""
+async def test_tombstone_written_behind_the_store_is_respected(db: Path) -> None:
+    """A tombstone another writer added is seen on the next mutation, and when it is inconsistent with a live
+    head (the store would not check it), the trigger guard still refuses the write, as a typed error."""
     async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
         execute(db, "INSERT INTO threadline_tombstones (conversation_id, purged_at) VALUES ('ghost', 'x')")
         with pytest.raises(AgentConversationPurgedError):
             await sqlite.store.accept_input_and_assign_run(
                 conversation_id="ghost", idempotency_key="k", input={"id": "i", "parts": text("boo")}
             )
-        assert (await sqlite.conversations.list()).items == ()
+        await turn(sqlite.store, "live", "t1")
+        before = await sqlite.store.load_snapshot(conversation_id="live")
+        execute(db, "INSERT INTO threadline_tombstones (conversation_id, purged_at) VALUES ('live', 'x')")
+        with pytest.raises(AgentConversationPurgedError) as caught:
+            await sqlite.store.accept_input_and_assign_run(
+                conversation_id="live", idempotency_key="k2", input={"id": "i2", "parts": text("late")}
+            )
+        assert caught.value.conversation_id == "live"
+        assert await sqlite.store.load_snapshot(conversation_id="live") == before
+        assert [h.conversation_id for h in (await sqlite.conversations.list()).items] == ["live"]
 
 
 # ----------------------------------------------------------------------------------------- compaction

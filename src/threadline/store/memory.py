@@ -2,15 +2,17 @@
 
 Durability is process-local: everything is gone when the process ends (tombstones too). Use it for tests
 and as the model a new driver is checked against. Records are frozen but hold JSON containers, so every
-answer is a deep copy: a caller mutating a returned record can never rewrite a stored row.
+record crossing the boundary is copied through its JSON form: a caller mutating a returned record can
+never rewrite a stored row.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from pydantic import BaseModel
 
 from ..errors import AgentStoreUnavailableError
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
@@ -32,6 +34,7 @@ from .driver import (
     LoadSeed,
     LoadSettledRange,
     LoadUnsettled,
+    Mutation,
     Operation,
     OperationStats,
     PageSettled,
@@ -183,8 +186,33 @@ class _Rows:
                 conv.seeds[seed.seed_key] = seed
 
 
+def _clone(value: T) -> T:
+    """An independent copy of a record (or a list/answer of records), made through its JSON form — far
+    cheaper than ``copy.deepcopy`` of pydantic models, and exactly what a real database hands back."""
+    if isinstance(value, BaseModel):
+        return type(value).model_validate_json(value.model_dump_json())  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [_clone(v) for v in value]  # type: ignore[return-value]
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)  # type: ignore[return-value]
+    if isinstance(value, HeadState):
+        return HeadState(_clone(value.head), value.purged)  # type: ignore[return-value]
+    if isinstance(value, Write):
+        m = value.mutation
+        return Write(  # type: ignore[return-value]
+            Mutation(
+                head=_clone(m.head),
+                runs=_clone(m.runs),
+                messages=_clone(m.messages),
+                receipts=_clone(m.receipts),
+                seeds=_clone(m.seeds),
+            )
+        )
+    return value
+
+
 class _Copying:
-    """Deep-copies every record crossing the driver boundary, in both directions."""
+    """Copies every record crossing the driver boundary, in both directions."""
 
     def __init__(self, rows: _Rows) -> None:
         self._rows = rows
@@ -193,10 +221,7 @@ class _Copying:
         method = getattr(self._rows, name)
 
         def call(request: object) -> object:
-            if isinstance(request, Write):
-                request = copy.deepcopy(request)
-            answer = method(request)
-            return copy.deepcopy(answer)
+            return _clone(method(_clone(request)))
 
         return call
 

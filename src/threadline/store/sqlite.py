@@ -24,6 +24,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
@@ -89,6 +90,8 @@ _SQLITE_CORRUPT = 11
 _SQLITE_NOTADB = 26
 _SQLITE_CONSTRAINT_TRIGGER = 1811  # SQLITE_CONSTRAINT | (7 << 8): RAISE(ABORT) in a trigger
 _CHUNK = 500  # ids per IN (...) list, well under SQLite's variable limit
+_OPEN_BUSY_GRACE = 2.0  # seconds an opening connection waits for another one creating the schema
+_WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the WAL file is truncated back to after a checkpoint
 _CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages are touched)
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
 _CACHE_MAX_ROW = 16 * 1024
@@ -703,7 +706,17 @@ class SqliteStoreDriver:
         conn: sqlite3.Connection | None = None
         try:
             conn = sqlite3.connect(self.filename, timeout=0, isolation_level=None, cached_statements=256)
-            self._initialize(conn)
+            deadline = time.monotonic() + _OPEN_BUSY_GRACE
+            while True:
+                try:
+                    self._initialize(conn)
+                    break
+                except sqlite3.OperationalError as error:
+                    # only opening waits out a lock (another process creating the schema or switching
+                    # to WAL at the same moment); operations never do
+                    if not _is_busy(error) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
         except BaseException as error:
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
@@ -749,6 +762,7 @@ class SqliteStoreDriver:
             )
         conn.execute(f"PRAGMA synchronous = {self._synchronous}")
         conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
+        conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         if not _fts5_available(conn):
             raise AgentStoreSchemaError(
                 f"threadline requires SQLite built with FTS5 (SQLite {sqlite3.sqlite_version} at "

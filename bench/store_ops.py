@@ -163,7 +163,7 @@ async def cycle(rec: Recorder, cid: str, k: int) -> None:
             summary={"id": f"{cid}-sum{k}", "role": "summary", "parts": text("summary of earlier turns")},
         ),
     )
-    await rec("conversations.messages", store.conversations.messages(cid, limit=50, direction="before"))
+    await rec("conversations.messages", store.conversations.messages(cid, limit=5, direction="before"))
     await rec("scan_recoverable", store.scan_recoverable(limit=100))
     await rec("load_snapshot", store.load_snapshot(conversation_id=cid))
 

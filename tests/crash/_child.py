@@ -5,21 +5,27 @@ imports once, then for each ``<workdir> <point> [<policy>]`` line on stdin forks
 with its own event loop, SQLite connection and threads, waits for it and answers ``<exit code> <point>``;
 a child killed by SIGKILL answers ``-9``). With a ``<policy>`` (``requeue`` or ``abandon``) the child does
 not run the scenario: it is a second process recovering the crashed ``<workdir>`` with that policy for
-acquired runs, then retrying every key of the journal — and it dies at ``<point>`` too. ``<workdir>`` holds ``threadline.db``, and receives
-``journal.log`` (``submitted <key>`` fsynced before each submit, ``admitted <key> <run_id>`` after its
-admission resolved), ``effects.log`` (the tool's effects) and ``trace.log`` (every point reached, with
-what it was about, then ``KILL <point>``). With point ``none`` it runs to the end and prints ``DONE``.
+acquired runs, then retrying every key of the journal, and it dies at ``<point>`` too.
 
-Points (counts are per conversation, 1-based, in the order this process reached them):
+``<workdir>`` holds ``threadline.db`` and receives ``journal.log`` (``submitted <key>`` fsynced before each
+submit, ``admitted <key> <run_id>`` after its admission resolved), ``effects.log`` (the tool's effects) and
+``trace.log`` (every store mutation, model delta and tool stage reached, with what it was about, then
+``KILL <point>``). With point ``none`` it runs to the end and prints ``DONE``.
 
-- ``before:<op>:<conv>:<n>`` — just before the n-th ``<op>`` call is handed to the store;
-- ``mid:<op>:<conv>:<n>`` — inside its transaction, every row written, before ``COMMIT``;
-- ``after:<op>:<conv>:<n>`` — right after it returned (committed);
-  ``<op>``: ``accept`` (accept_input_and_assign_run), ``acquire`` (acquire_run), ``checkpoint``
-  (checkpoint_run_assistant), ``record`` (record_run_operation), ``terminal`` (commit_run_terminal),
-  ``recover`` (recover_run);
+Points:
+
+- ``<when>:<op>:<conv>:<fields>[#<n>]`` — at the n-th (default first) ``<op>`` call of conversation
+  ``<conv>`` whose trace detail has all of ``<fields>`` (``;``-separated ``name=value``). ``<when>`` is
+  ``before`` (before it is handed to the store), ``mid`` (inside its transaction, every row written,
+  before ``COMMIT``) or ``after`` (right after it returned: committed). ``<op>`` and its detail fields:
+  ``accept`` (accept_input_and_assign_run: ``key``), ``acquire`` (acquire_run: ``run``), ``checkpoint``
+  (checkpoint_run_assistant: ``run``, ``parts`` (part types), ``op`` (the operation phase committed with
+  it, or ``none``)), ``record`` (record_run_operation: ``run``, ``phase``, ``step``), ``terminal``
+  (commit_run_terminal: ``run``, ``reason``), ``recover`` (recover_run: ``run``, ``action``); ``run`` names
+  a run by its inputs' keys, e.g. ``run=k1+k3``. Matching by meaning, not by call count, keeps a point
+  where it is when the loop changes how many store calls a turn makes.
 - ``stream:<conv>:<call>:<k>`` — after the loop consumed k deltas of the conversation's call-th model call;
-- ``tool:<before-effect|after-effect>:<conv>:<n>`` — around the n-th tool effect.
+- ``tool:<before-effect|after-effect>:<conv>:<n>`` — around the conversation's n-th tool effect.
 
 The schedule is deterministic per conversation: k0 and k2 are submitted together; once k0's model call
 started, k1 then k3 are submitted (k3 coalesces into k1's queued run) while k0's stream waits after its
@@ -43,20 +49,39 @@ from _scenario import CONTEXT, CONVERSATIONS, INPUTS, POLICIES, Hooks, append_li
 
 from threadline import AgentRuntimeStore, create_sqlite_agent_runtime_store
 
+WHEN = ("before", "mid", "after")
+
 
 class Tracer:
+    """Writes the trace and decides whether this process dies here."""
+
     def __init__(self, workdir: str, point: str) -> None:
         self.path = os.path.join(workdir, "trace.log")
         self.point = point
+        self.store_point: tuple[str, str, str, set[str], int] | None = None
+        when, _, rest = point.partition(":")
+        if when in WHEN:
+            op, conversation_id, spec = rest.split(":", 2)
+            fields, _, nth = spec.partition("#")
+            self.store_point = (when, op, conversation_id, set(fields.split(";")) - {""}, int(nth or 1))
+        self.matched = 0
 
-    def reach(self, name: str, detail: str, *, when: str | None = None) -> None:
-        """Note that ``name`` was reached; die if the point is ``name`` (or ``<when>:<name>``)."""
-        if when is None:
-            append_line(self.path, f"{name} {detail}", fsync=False)
-            if self.point == name:
-                self.die()
-        elif self.point == f"{when}:{name}":
+    def reach(self, name: str, detail: str) -> None:
+        """Note that ``name`` (a model or tool point) was reached; die if it is the point."""
+        append_line(self.path, f"{name} {detail}", fsync=False)
+        if self.point == name:
             self.die()
+
+    def store_call(self, op: str, conversation_id: str, n: int, detail: str) -> str | None:
+        """Note a store call; return ``before``/``mid``/``after`` when it is the point."""
+        append_line(self.path, f"{op}:{conversation_id}:{n} {detail}", fsync=False)
+        if self.store_point is None:
+            return None
+        when, p_op, p_conversation, fields, nth = self.store_point
+        if (op, conversation_id) != (p_op, p_conversation) or not fields <= set(detail.split(";")):
+            return None
+        self.matched += 1
+        return when if self.matched == nth else None
 
     def die(self) -> None:
         append_line(self.path, f"KILL {self.point}", fsync=False)
@@ -71,8 +96,12 @@ def _die_before_commit(operation: Generator[Any, Any, Any], tracer: Tracer) -> G
     return result
 
 
+def _types(parts: Any) -> str:
+    return ",".join(p.type if hasattr(p, "type") else p["type"] for p in parts or ())
+
+
 class CrashStore(AgentRuntimeStore):
-    """The store facade with named kill points around its mutations."""
+    """The store facade with kill points around its mutations."""
 
     def __init__(self, driver: Any, tracer: Tracer) -> None:
         super().__init__(driver)
@@ -81,16 +110,16 @@ class CrashStore(AgentRuntimeStore):
         self.run_keys: dict[str, list[str]] = {}
         self._mid = False
 
-    def _keys(self, run_id: str) -> str:
-        return "+".join(self.run_keys.get(run_id, ["?"]))
+    def _run_name(self, run_id: str) -> str:
+        return "run=" + "+".join(self.run_keys.get(run_id, ["?"]))
 
     async def _guard(self, op: str, kw: dict[str, Any], call: Callable[..., Awaitable[Any]], detail: str) -> Any:
         cid = kw["conversation_id"]
         self.counts[(op, cid)] += 1
-        name = f"{op}:{cid}:{self.counts[(op, cid)]}"
-        self.tracer.reach(name, detail)
-        self.tracer.reach(name, detail, when="before")
-        self._mid = self.tracer.point == f"mid:{name}"
+        when = self.tracer.store_call(op, cid, self.counts[(op, cid)], detail)
+        if when == "before":
+            self.tracer.die()
+        self._mid = when == "mid"  # read by _run, which the call reaches before its first suspension
         try:
             result = await call(**kw)
         finally:
@@ -99,7 +128,8 @@ class CrashStore(AgentRuntimeStore):
             keys = self.run_keys.setdefault(result.run.id, [])
             if kw["idempotency_key"] not in keys:
                 keys.append(kw["idempotency_key"])
-        self.tracer.reach(name, detail, when="after")
+        if when == "after":
+            self.tracer.die()
         return result
 
     async def _run(self, name: str, operation: Any, access: Any) -> Any:
@@ -113,24 +143,25 @@ class CrashStore(AgentRuntimeStore):
         return await self._guard("accept", kw, super().accept_input_and_assign_run, detail)
 
     async def acquire_run(self, **kw: Any) -> Any:
-        return await self._guard("acquire", kw, super().acquire_run, f"run={self._keys(kw['run_id'])}")
+        return await self._guard("acquire", kw, super().acquire_run, self._run_name(kw["run_id"]))
 
     async def checkpoint_run_assistant(self, **kw: Any) -> Any:
-        types = ",".join(p.type if hasattr(p, "type") else p["type"] for p in kw["parts"])
-        detail = f"run={self._keys(kw['run_id'])} parts={types}"
+        operation = kw.get("operation")
+        phase = operation.phase if operation is not None else "none"
+        detail = f"{self._run_name(kw['run_id'])};parts={_types(kw['parts'])};op={phase}"
         return await self._guard("checkpoint", kw, super().checkpoint_run_assistant, detail)
 
     async def record_run_operation(self, **kw: Any) -> Any:
         operation = kw["operation"]
-        detail = f"run={self._keys(kw['run_id'])} phase={operation.phase} step={operation.step}"
+        detail = f"{self._run_name(kw['run_id'])};phase={operation.phase};step={operation.step}"
         return await self._guard("record", kw, super().record_run_operation, detail)
 
     async def commit_run_terminal(self, **kw: Any) -> Any:
-        detail = f"run={self._keys(kw['run_id'])} reason={kw['terminal_reason']}"
+        detail = f"{self._run_name(kw['run_id'])};reason={kw['terminal_reason']}"
         return await self._guard("terminal", kw, super().commit_run_terminal, detail)
 
     async def recover_run(self, **kw: Any) -> Any:
-        detail = f"run={self._keys(kw['run_id'])} action={kw['action']}"
+        detail = f"{self._run_name(kw['run_id'])};action={kw['action']}"
         return await self._guard("recover", kw, super().recover_run, detail)
 
     async def learn_runs(self) -> None:
@@ -158,7 +189,7 @@ class ChildHooks(Hooks):
         return call
 
     async def after_chunk(self, conversation_id: str, call: int, k: int, keys: list[str]) -> None:
-        self.tracer.reach(f"stream:{conversation_id}:{call}:{k}", f"keys={'+'.join(keys)}")
+        self.tracer.reach(f"stream:{conversation_id}:{call}:{k}", "run=" + "+".join(keys))
         if (conversation_id, call, k) == ("c1", 1, 2):
             await self.c1_queued.wait()  # k1 and k3 are admitted while k0 is mid-stream
 

@@ -102,6 +102,8 @@ class AgentRuntimeStore:
             total.calls += 1
             total.rows_read += stats.rows_read
             total.rows_written += stats.rows_written
+            for key, n in stats.by_request.items():
+                total.by_request[key] = total.by_request.get(key, 0) + n
 
     async def aclose(self) -> None:
         await self.driver.aclose()

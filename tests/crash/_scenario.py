@@ -126,7 +126,9 @@ def make_model(hooks: Hooks) -> FunctionModel:
         elif "[tool]" in text:
             yield {
                 0: DeltaToolCall(
-                    name=TOOL_NAME, json_args=json.dumps({"note": " ".join(keys)}), tool_call_id="call-" + "-".join(keys)
+                    name=TOOL_NAME,
+                    json_args=json.dumps({"note": " ".join(keys)}),
+                    tool_call_id="call-" + "-".join(keys),
                 )
             }
             await hooks.after_chunk(conversation_id, call, 1, keys)

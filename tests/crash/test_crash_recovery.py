@@ -12,6 +12,7 @@ is a fresh interpreter.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import shutil
 import signal
@@ -324,7 +325,9 @@ def reaches(trace: list[str], name: str) -> bool:
     _, op, cid, fields = parsed
     for line in trace:
         where, _, detail = line.partition(" ")
-        if where.rsplit(":", 1)[0] == f"{op}:{cid}" and set(detail.split(";")) >= {f"{k}={v}" for k, v in fields.items()}:
+        if where.rsplit(":", 1)[0] == f"{op}:{cid}" and set(detail.split(";")) >= {
+            f"{k}={v}" for k, v in fields.items()
+        }:
             return True
     return False
 
@@ -519,7 +522,7 @@ def check_causal_order(snap: ConversationSnapshot) -> None:
     assert len(set(ids)) == len(ids), "duplicate message ids"
     positions = [m.position for m in messages]
     assert None not in positions, positions
-    assert all(a < b for a, b in zip(positions, positions[1:], strict=False)), positions  # type: ignore[operator]
+    assert all(a < b for a, b in itertools.pairwise(positions)), positions  # type: ignore[operator]
     groups: list[tuple[str | None, list[str]]] = []
     for m in messages:
         if not groups or groups[-1][0] != m.run_id:

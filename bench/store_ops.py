@@ -124,7 +124,9 @@ async def cycle(rec: Recorder, cid: str, k: int) -> None:
             ),
         )
     ).run
-    run = (await store.acquire_run(conversation_id=cid, run_id=run.id, expected_revision=run.revision, owner_id=owner)).run
+    run = (
+        await store.acquire_run(conversation_id=cid, run_id=run.id, expected_revision=run.revision, owner_id=owner)
+    ).run
     await rec(
         "commit_run_terminal",
         store.commit_run_terminal(

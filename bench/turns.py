@@ -299,13 +299,14 @@ def print_profile(title: str, profile: cProfile.Profile, limit: int, sort: str) 
     print("\n".join(line for line in lines[start:] if line.strip()))
 
 
-async def driver_call(store: AgentRuntimeStore, fn: Callable[[], Any]) -> None:
+async def driver_call(store: AgentRuntimeStore, fn: Callable[[], Any]) -> bool:
     """Run ``fn`` on the SQLite store's worker thread (bench-only use of a private hook: it lets cProfile
-    be enabled and disabled on that thread)."""
-    submit = getattr(store.driver, "_submit", None)
-    if submit is None:
-        raise RuntimeError("this store driver has no worker thread to profile")
-    await submit(fn)
+    be enabled and disabled on that thread). False when the driver has no such hook."""
+    call = getattr(store.driver, "_call", None) or getattr(store.driver, "_submit", None)
+    if call is None:
+        return False
+    await call(fn)
+    return True
 
 
 async def window(
@@ -385,19 +386,23 @@ async def window(
     if profile:
         # a separate, untimed window: the profiler slows every call, so the medians above are clean
         loop_prof, worker_prof = cProfile.Profile(), cProfile.Profile()
-        await driver_call(store, worker_prof.enable)
+        on_worker = await driver_call(store, worker_prof.enable)
         loop_prof.enable()
         for _ in range(turns):
             for conv in convs:
                 await conv.turn()
         loop_prof.disable()
-        await driver_call(store, worker_prof.disable)
+        if on_worker:
+            await driver_call(store, worker_prof.disable)
         n_turns = turns * len(convs)
         where = f"window at {size} messages ({n_turns} turns)"
         print_profile(f"event-loop thread, {where}", loop_prof, 25, "cumulative")
         print_profile(f"event-loop thread, {where}", loop_prof, 15, "tottime")
-        print_profile(f"SQLite worker thread, {where}", worker_prof, 25, "cumulative")
-        print_profile(f"SQLite worker thread, {where}", worker_prof, 15, "tottime")
+        if on_worker:
+            print_profile(f"SQLite worker thread, {where}", worker_prof, 25, "cumulative")
+            print_profile(f"SQLite worker thread, {where}", worker_prof, 15, "tottime")
+        else:
+            print("--- profile: the store driver has no worker-thread hook; event-loop thread only ---")
 
 
 async def growth_run(args: argparse.Namespace, tmp: Path) -> None:

@@ -10,12 +10,13 @@ boundary, ``queue`` leaves it alone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import AgentRunUnsettledError
 from .loop import RunControl
+from .records import Run
 
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
@@ -56,12 +57,25 @@ class Lane:
         elif policy in _ABORT_REASON:
             control.abort(_ABORT_REASON[policy])
 
+    async def _settle_ended(self, active: Sequence[Run]) -> None:
+        """Runs this lane was asked to run that ended elsewhere (another process, a recovery pass): their
+        waiters settle from the canonical record instead of waiting for ever."""
+        still = {run.id for run in active}
+        for run_id in [r for r in self.contexts if r not in still]:
+            self.contexts.pop(run_id, None)
+            loaded = await self.runtime.retry_store(
+                lambda run_id=run_id: self.runtime.store.load_run(conversation_id=self.conversation_id, run_id=run_id)
+            )
+            if loaded is not None and loaded.run.terminal:
+                self.runtime.waiters.resolve(run_id, self.runtime.result_from(loaded.run, loaded.assistant))
+
     async def _work(self) -> None:
         runtime = self.runtime
         while not runtime.closing:
             active = await runtime.retry_store(
                 lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id)
             )
+            await self._settle_ended(active.runs)
             if not active.runs:
                 return
             head = active.runs[0]

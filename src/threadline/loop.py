@@ -327,8 +327,12 @@ class _OwnedRun:
                 return result
             raise AssertionError("unreachable")
 
-    async def checkpoint(self, parts: Sequence[Part], operation: RunOperation | None = None) -> None:
-        """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit."""
+    async def checkpoint(
+        self, parts: Sequence[Part], operation: RunOperation | None = None, preceding: RunOperation | None = None
+    ) -> None:
+        """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit. ``preceding``
+        is a phase that commit also stands for (a first output folded into the step's completion): its
+        event is published first, with its original timestamp."""
         store = self.env.store
 
         async def write(run: Run) -> Any:
@@ -355,6 +359,8 @@ class _OwnedRun:
                 parts=tuple(parts),
             )
         )
+        if preceding is not None:
+            self._published_operation(preceding, result.version)
         if operation is not None:
             self._published_operation(operation, result.version)
 
@@ -526,7 +532,7 @@ class _Execution:
 
     async def _stream(
         self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any
-    ) -> tuple[ModelResponse, RunOperation]:
+    ) -> tuple[ModelResponse, RunOperation, RunOperation | None]:
         settings = self.env.settings
         every = max(1, settings.checkpoint_every_events)
         base = list(self.parts)
@@ -536,7 +542,7 @@ class _Execution:
         # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
         # durable admission of this request; a failed write prevents the provider call
         await self.owned.checkpoint(base, operation)
-        state: dict[str, Any] = {"stream": None, "first": False}
+        state: dict[str, Any] = {"stream": None, "first": False, "first_pending": None}
 
         async def consume() -> ModelResponse:
             loop = asyncio.get_running_loop()
@@ -558,8 +564,10 @@ class _Execution:
                                 await self._on_event(event, operation, state)
                             if structural or count >= every:
                                 count = 0
+                                # the first-output phase rides along with the next commit
+                                first, state["first_pending"] = state["first_pending"], None
                                 await self.owned.checkpoint(
-                                    [*base, *canonical_parts(stream.get(), model.provider_name)]
+                                    [*base, *canonical_parts(stream.get(), model.provider_name)], first
                                 )
                     return stream.get()
             except TimeoutError as error:
@@ -589,7 +597,7 @@ class _Execution:
             await self._finish_operation(operation, "failed", failure.reason)
             raise
         self.usage = self.usage + AgentUsage.from_request(response.usage)
-        return response, operation
+        return response, operation, state["first_pending"]
 
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""
@@ -624,7 +632,7 @@ class _Execution:
             self._transient(ReasoningDeltaEvent, delta=reasoning)
         if (text or reasoning or output) and not state["first"]:
             state["first"] = True
-            await self.owned.record(operation.model_copy(update={"phase": "first-output", "first_output_at": _now()}))
+            state["first_pending"] = operation.model_copy(update={"phase": "first-output", "first_output_at": _now()})
 
     async def _call_tool(self, tools: dict[str, AgentTool], call: ToolCallPart) -> ToolResultPart:
         self._transient(
@@ -694,12 +702,15 @@ class _Execution:
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
                 instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
             )
-            response, operation = await self._stream(step, ctx.model, ctx.messages, params)
+            response, operation, first = await self._stream(step, ctx.model, ctx.messages, params)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
-            completed = operation.model_copy(update={"phase": "completed", "finished_at": _now()})
-            await self.owned.checkpoint(self.parts, completed)
+            first_at = first.first_output_at if first is not None else None
+            completed = operation.model_copy(
+                update={"phase": "completed", "finished_at": _now(), "first_output_at": first_at}
+            )
+            await self.owned.checkpoint(self.parts, completed, preceding=first)
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None

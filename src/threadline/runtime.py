@@ -8,6 +8,7 @@ fact is published only after its commit. Abort is a request, never a state.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import uuid
 from collections import OrderedDict
@@ -321,6 +322,11 @@ class AgentRuntime:
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
         return await with_store_retry(call)
+
+    @staticmethod
+    def result_from(run: Run, assistant: Message | None) -> AgentRuntimeResult:
+        """The result of a run read from the store (this process did not apply its terminal)."""
+        return _result_from(run, assistant)
 
     def _view(self, conversation_id: str) -> ConversationView:
         """The cached view of a conversation (least recently used views are dropped beyond the limit)."""
@@ -761,9 +767,24 @@ class AgentRuntime:
         outcomes: list[AgentRecoveryOutcome] = []
         blocked = False
         loop = asyncio.get_running_loop()
-        for run in group:
-            cid = run.conversation_id
+        for scanned in group:
+            cid = scanned.conversation_id
             lane = self._lane(cid)
+            # the scan is a snapshot: act on the run as it is now (a retry may have answered it meanwhile)
+            try:
+                read = functools.partial(self.store.load_run, conversation_id=cid, run_id=scanned.id)
+                loaded = await self.retry_store(read)
+            except Exception as error:
+                outcomes.append(AgentRecoveryOutcome(cid, scanned.id, "failed", error=error))
+                blocked = True
+                continue
+            if loaded is None or loaded.run.terminal:
+                settled: asyncio.Future[Any] = quiet(loop.create_future())
+                if loaded is not None:
+                    settled.set_result(_result_from(loaded.run, loaded.assistant))
+                    outcomes.append(AgentRecoveryOutcome(cid, scanned.id, "resumed", result=settled))
+                continue
+            run = loaded.run
             if lane.control is not None and lane.control.run_id == run.id:
                 # already executing in this process (acquired durably): report it with its result
                 running: asyncio.Future[Any] = quiet(loop.create_future())

@@ -8,6 +8,7 @@ before its result is accepted; losing it stops the run and is never shown to the
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -71,10 +72,15 @@ class AgentTool:
     handler: Callable[..., Awaitable[Any]]
     takes_context: bool
 
-    def definition(self) -> ToolDefinition:
+    @functools.cached_property
+    def _definition(self) -> ToolDefinition:
         return ToolDefinition(
             name=self.name, description=self.description, parameters_json_schema=self.args_model.model_json_schema()
         )
+
+    def definition(self) -> ToolDefinition:
+        """What the model is told about the tool (built once: the JSON Schema comes from pydantic)."""
+        return self._definition
 
     def validate(self, raw: Any) -> BaseModel:
         """Validate model-supplied arguments; raises :class:`AppError` ``INVALID_ARGUMENTS`` naming the field."""

@@ -1,31 +1,88 @@
 """What a run says it spent, with per-field provenance.
 
-Provenance: ``provider-reported`` (a provider's own figure), ``computed`` (threadline added reported
-figures), ``estimated`` (a price table or a tokenizer guess) and ``unavailable``. A token total over a
-step that reported nothing is a floor (kept, marked ``computed`` with ``complete=False``); a cost over
-such a step is ``unavailable`` and stays so. Usage is not written to the store.
+Provenance, read before the number:
+
+- ``provider-reported`` — the provider handed over exactly this figure (one step's usage; OpenRouter's
+  cost, which it reports in US dollars);
+- ``computed`` — threadline added reported figures up (every total, e.g. a terminal event's usage);
+- ``estimated`` — a guess: a price-table cost (genai-prices), a tokenizer count. A total with an
+  estimated part is itself ``estimated``, never ``computed``;
+- ``unavailable`` — nobody reported it. Not zero.
+
+Summation rules (stitchkit 0.62, "What a run says it spent"):
+
+- a token total over a step that reported nothing is a **floor**: the sum of what was reported, labelled
+  ``computed`` with ``floor=True`` (and the usage's ``complete`` is false);
+- a cost over a step that did not report its cost is ``unavailable``, and it **stays** unavailable:
+  later steps reporting normally cannot revive it;
+- two costs in different currencies do not add: the sum is ``unavailable``; nothing is ever converted;
+- a failed attempt's usage stays in the run's spend (add it like any other step).
+
+Addition is associative, and ``AgentUsage()`` (no steps) contributes nothing, so a run total is
+``functools.reduce(operator.add, steps, AgentUsage())`` in any grouping. Usage is not written to the store.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from decimal import Decimal, InvalidOperation
+from numbers import Real
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_ai.usage import RequestUsage
+
+if TYPE_CHECKING:
+    from pydantic_ai.messages import ModelResponse
 
 Provenance = Literal["provider-reported", "computed", "estimated", "unavailable"]
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")
+USD = "USD"
 
 
 class UsageFigure(BaseModel):
+    """One token count. ``value`` is None exactly when it is ``unavailable``; ``floor`` marks a total
+    that left out at least one step which reported nothing (the true count is at least ``value``)."""
+
     model_config = ConfigDict(frozen=True)
 
     value: int | None = None
     provenance: Provenance = "unavailable"
+    floor: bool = False
+
+
+class AgentCost(BaseModel):
+    """Money, with an ISO 4217 currency code. ``amount`` is None exactly when ``unavailable``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    amount: Decimal | None = None
+    currency: str | None = Field(default=None, pattern=r"^[A-Z]{3}$")
+    provenance: Provenance = "unavailable"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentCost:
+        if self.amount is None:
+            if self.provenance != "unavailable":
+                raise ValueError("a cost without an amount is 'unavailable'")
+        else:
+            if self.provenance == "unavailable":
+                raise ValueError("an 'unavailable' cost has no amount")
+            if self.currency is None:
+                raise ValueError("a cost with an amount names its currency")
+        return self
+
+
+def _total_provenance(*provenances: Provenance) -> Provenance:
+    """A sum is ``computed`` unless one of its known parts was a guess."""
+    return "estimated" if "estimated" in provenances else "computed"
 
 
 class AgentUsage(BaseModel):
-    """Token counts of one step or a whole run. ``complete`` is false when a step reported nothing."""
+    """Token counts and cost of one step or of a whole run (``steps`` steps).
+
+    ``complete`` is false when at least one step reported no token usage at all. An ``AgentUsage()``
+    with no steps is the empty sum: every field ``unavailable``, and adding it changes no figure.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -34,14 +91,23 @@ class AgentUsage(BaseModel):
     cache_read_tokens: UsageFigure = UsageFigure()
     cache_write_tokens: UsageFigure = UsageFigure()
     reasoning_tokens: UsageFigure = UsageFigure()
-    steps: int = 0
+    cost: AgentCost = AgentCost()
+    steps: int = Field(default=0, ge=0)
     complete: bool = True
+
+    # ------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def unreported(cls) -> AgentUsage:
+        """One step that reported nothing (a provider call that failed or was cut off before usage)."""
+        return cls(steps=1, complete=False)
 
     @classmethod
     def from_request(cls, usage: RequestUsage | None) -> AgentUsage:
-        """One provider response's usage; a response that omitted usage is all ``unavailable``."""
+        """One provider response's token usage (cost ``unavailable``); a response that omitted usage is
+        all ``unavailable``. Prefer :meth:`from_response`, which also knows the cost."""
         if usage is None or usage.unmeasured_requests or (usage.input_tokens == 0 and usage.output_tokens == 0):
-            return cls(steps=1, complete=False)
+            return cls.unreported()
         values = {
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
@@ -52,10 +118,102 @@ class AgentUsage(BaseModel):
         figures = {k: UsageFigure(value=v, provenance="provider-reported") for k, v in values.items()}
         return cls(steps=1, **figures)
 
-    def __add__(self, other: AgentUsage) -> AgentUsage:
-        figures = {}
+    @classmethod
+    def from_response(cls, response: ModelResponse | None) -> AgentUsage:
+        """One step's usage from a pydantic-ai ``ModelResponse`` (a partial one too), with its cost:
+
+        - ``provider_details['cost']`` (OpenRouter, US dollars) or ``usage.cost`` (a gateway's own figure)
+          is ``provider-reported``;
+        - otherwise ``ModelResponse.cost()`` from the genai-prices tables is ``estimated`` (US dollars);
+        - an unknown model or provider, or a response without usage, gives ``unavailable``. Never raises.
+        """
+        if response is None:
+            return cls.unreported()
+        tokens = cls.from_request(response.usage)
+        cost = _reported_cost(response)
+        if cost is None and tokens.complete:
+            cost = _estimated_cost(response)
+        return tokens.model_copy(update={"cost": cost}) if cost is not None else tokens
+
+    # ---------------------------------------------------------------------------------------- addition
+
+    def _token_missing(self, figure: UsageFigure) -> bool:
+        """Whether a step inside this usage reported nothing for ``figure``'s field."""
+        return figure.floor or (figure.value is None and self.steps > 0)
+
+    def _cost_poisoned(self) -> bool:
+        """Whether a step inside this usage has no usable cost (unreported, or a currency clash)."""
+        return self.cost.amount is None and self.steps > 0
+
+    def __add__(self, other: object) -> AgentUsage:
+        if not isinstance(other, AgentUsage):
+            return NotImplemented
+        figures: dict[str, Any] = {}
         for name in TOKEN_FIELDS:
             a, b = getattr(self, name), getattr(other, name)
-            known = [f.value for f in (a, b) if f.value is not None]
-            figures[name] = UsageFigure(value=sum(known), provenance="computed") if known else UsageFigure()
+            known = [f for f in (a, b) if f.value is not None]
+            if not known:
+                figures[name] = UsageFigure()
+                continue
+            missing = self._token_missing(a) or other._token_missing(b)
+            figures[name] = UsageFigure(
+                value=sum(f.value for f in known if f.value is not None),
+                provenance=_total_provenance(*(f.provenance for f in known)),
+                floor=missing,
+            )
+        figures["cost"] = self._add_cost(other)
         return AgentUsage(steps=self.steps + other.steps, complete=self.complete and other.complete, **figures)
+
+    def __radd__(self, other: object) -> AgentUsage:
+        if other == 0:  # sum(usages) starts from 0
+            return self + AgentUsage()
+        return NotImplemented
+
+    def _add_cost(self, other: AgentUsage) -> AgentCost:
+        if self._cost_poisoned() or other._cost_poisoned():
+            return AgentCost()  # sticky: one unreported step makes the total unknown, not smaller
+        known = [c for c in (self.cost, other.cost) if c.amount is not None]
+        if not known:
+            return AgentCost()
+        if len({c.currency for c in known}) > 1:
+            return AgentCost()  # two currencies do not add, and nothing converts one into the other
+        return AgentCost(
+            amount=sum((c.amount for c in known if c.amount is not None), Decimal(0)),
+            currency=known[0].currency,
+            provenance=_total_provenance(*(c.provenance for c in known)),
+        )
+
+
+def _decimal(value: Any) -> Decimal | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, Decimal):
+        amount = value
+    elif isinstance(value, Real | str):
+        try:
+            amount = Decimal(str(value))  # str() keeps 0.0123 as 0.0123, not its binary expansion
+        except InvalidOperation:
+            return None
+    else:
+        return None
+    return amount if amount.is_finite() and amount >= 0 else None
+
+
+def _reported_cost(response: ModelResponse) -> AgentCost | None:
+    details = response.provider_details or {}
+    for raw in (details.get("cost"), response.usage.cost if response.usage is not None else None):
+        amount = _decimal(raw)
+        if amount is not None:
+            return AgentCost(amount=amount, currency=USD, provenance="provider-reported")
+    return None
+
+
+def _estimated_cost(response: ModelResponse) -> AgentCost | None:
+    if not response.model_name:
+        return None
+    try:
+        price = response.cost()
+    except Exception:  # LookupError: unknown model/provider; ValueError: usage not measured; anything
+        return None  # else: a price table is an estimate and never fails the run that asked for it
+    amount = _decimal(price.total_price)
+    return AgentCost(amount=amount, currency=USD, provenance="estimated") if amount is not None else None

@@ -4,9 +4,16 @@ key, and checks from the database that no admitted input was lost or answered tw
 
 Each point's child runs once; the parent then recovers two copies of the crashed files, one with
 ``requeue`` (replay-safe) and one with ``abandon`` (stale owner) as the policy for runs the dead child had
-acquired. Importing threadline takes about 2 s here, so the kill-point children are forked by two fork
-servers (``_child.py --serve``) instead of each being a fresh interpreter; the uninterrupted reference run
-is a fresh interpreter.
+acquired. ``SECOND_CRASHES`` add a second process that recovers a crash and is killed itself while doing
+so. Importing threadline takes about 2 s here, so kill-point children are forked by two fork servers
+(``_child.py --serve``: real processes with their own loop, SQLite connection and threads) rather than
+each being a fresh interpreter; the uninterrupted reference run is a fresh interpreter.
+
+Checked after recovery and the retries, from the store: nothing is left to recover; every submitted key
+is stored exactly once and belongs to exactly one terminal run (``success``, or ``abandoned`` only for a
+run the dead process held under the abandon policy); a key the journal says was admitted keeps its run;
+each run has one settled assistant that answers exactly its own inputs; each conversation is in causal
+order; a tool effect happens at most once per call unless a requeue replayed the run (then it is noted).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ POINTS = [
     Point("before:acquire:c1:run=k0", "admitted, before acquisition"),
     Point("after:acquire:c1:run=k0", "acquired, nothing executed"),
     Point("after:checkpoint:c1:run=k0;op=started", "initial draft + model request committed, provider not called"),
-    Point("after:record:c1:run=k0;phase=first-output", "first output recorded"),
+    Point("after:checkpoint:c1:run=k0;parts=text;op=first-output", "first output recorded with the first batch"),
     # mid-stream, with the queued and coalesced successor admitted meanwhile
     Point("stream:c1:1:1", "mid-stream after 1 delta"),
     Point("after:checkpoint:c1:run=k0;parts=text;op=none", "periodic checkpoint mid-stream"),

@@ -98,8 +98,8 @@ class Lane:
             self.blocked_on = None
             proceed = await runtime.execute(self, head, self.contexts[head.id])
             self.contexts.pop(head.id, None)
-            if not proceed:
-                return
+            if not proceed or not self.contexts:
+                return  # nothing else this process was asked to run here
 
 
 @dataclass

@@ -346,8 +346,10 @@ class _OwnedRun:
                 operation=operation,
             )
 
+        before = self.run.version
         result = await self._owned(write)
         self.checkpoints += 1
+        self.env.view.note_own_write(before, result.version)
         run = self.run
         self.env.publish(
             AssistantCheckpointEvent(
@@ -392,7 +394,8 @@ class _OwnedRun:
         self._published_operation(operation, result.version)
 
     async def fence(self) -> None:
-        """Check that this process still owns the run (before a tool's effect and before its result)."""
+        """Check that this process still owns the run, before a step's tool effects. (A result is accepted
+        only by the next owned commit, whose CAS checks ownership again.)"""
         try:
             loaded = await with_store_retry(
                 lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
@@ -638,7 +641,6 @@ class _Execution:
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
         )
-        await self.owned.fence()
         try:
             tool = tools.get(call.tool_name)
             if tool is None:
@@ -655,13 +657,11 @@ class _Execution:
         except (_FenceLost, _Aborted):
             raise
         except Exception as error:
-            await self.owned.fence()
             envelope = error_envelope(error)
             self._transient(
                 ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
             )
             return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope)
-        await self.owned.fence()
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="completed", output=output
         )
@@ -714,6 +714,9 @@ class _Execution:
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
+            # the fence: ownership is checked before any effect of this step's calls, and their results are
+            # accepted only by the next owned commit, whose CAS verifies owner, token and revision again
+            await self.owned.fence()
             results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in calls)))
             self.parts.extend(results)
             # the tool results are checkpointed with the next request's admission, or by the terminal

@@ -69,6 +69,14 @@ class ConversationView:
                 self._settled.append(message)
         self.version = changes.version
 
+    def note_own_write(self, previous_version: int, version: int) -> None:
+        """The executing run wrote its own draft and run row at ``version``. When nothing else was written
+        since the view's version (``previous_version`` is where the view stands, and the write moved the
+        conversation by exactly one), the view moves along without reading the rows back: the executing
+        run's draft and run row are never part of what the view hands out."""
+        if self.version == previous_version and version == previous_version + 1:
+            self.version = version
+
     def _remove(self, message_id: str) -> None:
         old = self._by_id.pop(message_id, None)
         if old is None:

@@ -350,7 +350,8 @@ class AgentRunTerminalEvent(_OperatorEvent):
     terminal_reason: str | None = None
     policy_name: str | None = None
     steps: int = Field(default=0, ge=0)
-    usage: AgentUsage = Field(default_factory=AgentUsage)
+    usage: AgentUsage
+    """Required: what this execution spent; ``unavailable`` fields when nothing was reported."""
     cause: JsonValue = None
 
 

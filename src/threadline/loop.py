@@ -346,10 +346,8 @@ class _OwnedRun:
                 operation=operation,
             )
 
-        before = self.run.version
         result = await self._owned(write)
         self.checkpoints += 1
-        self.env.view.note_own_write(before, result.version)
         run = self.run
         self.env.publish(
             AssistantCheckpointEvent(
@@ -491,7 +489,8 @@ class _Execution:
         """What this run may see, projected: settled history (cached, extended incrementally), then the
         unsettled messages of runs up to this one, inputs that joined, and this run's own steps so far."""
         view = self.env.view
-        await with_store_retry(lambda: view.refresh(self.env.store))
+        if view.version != self.run.version:  # something this process did not write happened since
+            await with_store_retry(lambda: view.refresh(self.env.store))
         joined = set(self.claims)
         tail = [m for m in view.tail(self.run.id) if m.id != self.run.assistant_message_id]
         tail += [m for m in view.messages_of(joined) if m.role == "user"]
@@ -534,17 +533,12 @@ class _Execution:
         return out
 
     async def _stream(
-        self, step: int, model: AgentModelDescriptor, messages: list[Any], params: Any
-    ) -> tuple[ModelResponse, RunOperation, RunOperation | None]:
+        self, operation: RunOperation, model: AgentModelDescriptor, messages: list[Any], params: Any
+    ) -> tuple[ModelResponse, RunOperation | None]:
+        """Stream one provider request (already durably admitted as ``operation``)."""
         settings = self.env.settings
         every = max(1, settings.checkpoint_every_events)
         base = list(self.parts)
-        operation = RunOperation(
-            kind="model-request", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
-        )
-        # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
-        # durable admission of this request; a failed write prevents the provider call
-        await self.owned.checkpoint(base, operation)
         state: dict[str, Any] = {"stream": None, "first": False, "first_pending": None}
 
         async def consume() -> ModelResponse:
@@ -600,7 +594,7 @@ class _Execution:
             await self._finish_operation(operation, "failed", failure.reason)
             raise
         self.usage = self.usage + AgentUsage.from_request(response.usage)
-        return response, operation, state["first_pending"]
+        return response, state["first_pending"]
 
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""
@@ -667,6 +661,32 @@ class _Execution:
         )
         return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="success", output=output)
 
+    async def _prepare(
+        self, step: int, model: AgentModelDescriptor, instructions: str, by_name: dict[str, AgentTool]
+    ) -> StepContext:
+        """The step's history and ``prepare_step``; a failure here is the runtime's, never the provider's."""
+        try:
+            messages, system = await self._history(model)
+        except _Failure:
+            raise
+        except Exception as error:  # the view could not be read or projected
+            raise _Failure("runtime_failure", error) from error
+        ctx = StepContext(
+            step=step,
+            run=self.run,
+            context=self.env.context,
+            model=model,
+            instructions="\n\n".join([instructions, *system]).strip(),
+            messages=messages,
+            active_tools=list(by_name),
+            parts=tuple(self.parts),
+        )
+        if self.env.settings.prepare_step is not None:
+            changes = await self._callback(self.env.settings.prepare_step, ctx)
+            for key, value in (changes or {}).items():
+                setattr(ctx, key, value)
+        return ctx
+
     async def _steps(self) -> tuple[str, str | None]:
         env = self.env
         model = await self._callback(env.resolve_model, self)
@@ -678,31 +698,22 @@ class _Execution:
             if self.control.aborted:
                 raise _Aborted()
             await self._join_injections(step)
-            try:
-                messages, system = await self._history(model)
-            except _Failure:
-                raise
-            except Exception as error:  # the view could not be read or projected
-                raise _Failure("runtime_failure", error) from error
-            ctx = StepContext(
-                step=step,
-                run=self.run,
-                context=env.context,
-                model=model,
-                instructions="\n\n".join([instructions, *system]).strip(),
-                messages=messages,
-                active_tools=list(by_name),
-                parts=tuple(self.parts),
+            operation = RunOperation(
+                kind="model-request", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
             )
-            if env.settings.prepare_step is not None:
-                changes = await self._callback(env.settings.prepare_step, ctx)
-                for key, value in (changes or {}).items():
-                    setattr(ctx, key, value)
+            # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
+            # durable admission of this request; a failed write prevents the provider call
+            await self.owned.checkpoint(list(self.parts), operation)
+            try:
+                ctx = await self._prepare(step, model, instructions, by_name)
+            except _Failure as failure:
+                await self._finish_operation(operation, "failed", failure.reason)
+                raise
             params = ModelRequestParameters(
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
                 instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
             )
-            response, operation, first = await self._stream(step, ctx.model, ctx.messages, params)
+            response, first = await self._stream(operation, ctx.model, ctx.messages, params)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit

@@ -41,6 +41,7 @@ from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import PARTS_ADAPTER, Message, Run
 from .store.aggregate import AgentRuntimeStore
+from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
 from .store.results import InterruptResult, RecoverResult
 from .tools import AgentTool
@@ -278,6 +279,7 @@ class AgentRuntime:
         self.lanes: dict[str, Lane] = {}
         self.waiters = Waiters()
         self._views: OrderedDict[str, ConversationView] = OrderedDict()
+        self._unobserve = store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
     # ---------------------------------------------------------------------------------- plumbing
@@ -327,6 +329,13 @@ class AgentRuntime:
     def result_from(run: Run, assistant: Message | None) -> AgentRuntimeResult:
         """The result of a run read from the store (this process did not apply its terminal)."""
         return _result_from(run, assistant)
+
+    def _observed(self, write: Write | Purge) -> None:
+        """Keep cached views current with this process's own writes (no read back)."""
+        cid = write.conversation_id if isinstance(write, Purge) else write.mutation.head.conversation_id  # type: ignore[union-attr]
+        view = self._views.get(cid)
+        if view is not None:
+            view.observe(write)
 
     def _view(self, conversation_id: str) -> ConversationView:
         """The cached view of a conversation (least recently used views are dropped beyond the limit)."""

@@ -14,6 +14,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from ..records import Message, Run
+from ..store.driver import Purge, Write
 from ..store.results import ConversationChanges
 from .projection import AgentHistoryProjectionOptions, _Projector
 
@@ -69,13 +70,21 @@ class ConversationView:
                 self._settled.append(message)
         self.version = changes.version
 
-    def note_own_write(self, previous_version: int, version: int) -> None:
-        """The executing run wrote its own draft and run row at ``version``. When nothing else was written
-        since the view's version (``previous_version`` is where the view stands, and the write moved the
-        conversation by exactly one), the view moves along without reading the rows back: the executing
-        run's draft and run row are never part of what the view hands out."""
-        if self.version == previous_version and version == previous_version + 1:
-            self.version = version
+    def observe(self, write: Write | Purge) -> None:
+        """Apply a write this process committed, without reading it back, when it is the very next version
+        (anything else leaves the view as it is: ``refresh`` reads what it missed)."""
+        if isinstance(write, Purge):
+            if write.conversation_id == self.conversation_id:
+                self.apply(ConversationChanges(conversation_id=self.conversation_id, version=0, reset=True))
+            return
+        m = write.mutation
+        if m.head is None or m.head.conversation_id != self.conversation_id or m.head.version != self.version + 1:
+            return
+        self.apply(
+            ConversationChanges(
+                conversation_id=self.conversation_id, version=m.head.version, messages=m.messages, runs=m.runs
+            )
+        )
 
     def _remove(self, message_id: str) -> None:
         old = self._by_id.pop(message_id, None)

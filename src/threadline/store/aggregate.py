@@ -19,7 +19,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from ..errors import AgentRecordValidationError
 from ..records import PARTS_ADAPTER, ConversationSnapshot, MessageDraft, Part, Priority, RunOperation
 from . import reducer
-from .driver import Access, Operation, OperationStats, StoreDriver
+from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
 from .reducer import AbsorbClaim
 from .results import (
     AcceptResult,
@@ -92,11 +92,26 @@ class AgentRuntimeStore:
         self._clock = clock
         self.metrics: dict[str, OperationStats] = {}
         self.conversations = AgentConversationReader(self)
+        self._observers: list[Callable[[Write | Purge], None]] = []
+
+    def observe(self, observer: Callable[[Write | Purge], None]) -> Callable[[], None]:
+        """Call ``observer`` with every write this store object commits (after the commit, on the event
+        loop, in order). Returns a function that stops observing. An observer that raises is ignored: it
+        can never change a committed write. Writes by other processes or store objects are not seen."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
 
     async def _run(self, name: str, operation: Operation[T], access: Access) -> T:
         stats = OperationStats(calls=1)
         try:
-            return await self.driver.run(operation, access=access, stats=stats)
+            result = await self.driver.run(operation, access=access, stats=stats)
+            for write in stats.writes:
+                for observer in tuple(self._observers):
+                    try:
+                        observer(write)
+                    except Exception:
+                        continue
+            return result
         finally:
             total = self.metrics.setdefault(name, OperationStats())
             total.calls += 1

@@ -300,6 +300,8 @@ class OperationStats:
     rows_read: int = 0
     rows_written: int = 0
     by_request: dict[str, int] = field(default_factory=dict)
+    writes: list[Write | Purge] = field(default_factory=list)
+    """The writes of one operation, in order (not accumulated into totals); observers learn from them."""
 
     def read(self, request: Request, answer: object) -> None:
         if isinstance(answer, list):
@@ -335,7 +337,8 @@ _SYNC_DISPATCH: dict[type, str] = {
 }
 
 
-def _count_write(request: Request, stats: OperationStats) -> None:
+def _count_write(request: Write | Purge, stats: OperationStats) -> None:
+    stats.writes.append(request)
     if isinstance(request, Write):
         stats.rows_written += request.mutation.row_count
     else:

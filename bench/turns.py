@@ -164,10 +164,17 @@ def checkpoint(path: Path) -> None:
         conn.close()
 
 
+MODEL_KIND = "function"
+
+
 def make_runtime(store: AgentRuntimeStore, publish: Callable[[Any], Any] | None = None) -> AgentRuntime:
-    registry = define_model_registry(
-        models={"m": {"model": FunctionModel(stream_function=scripted, model_name="scripted"), "context_window": 10**8}}
-    )
+    if MODEL_KIND == "minimal":
+        from minimal_model import MinimalScriptedModel
+
+        model: Any = MinimalScriptedModel()
+    else:
+        model = FunctionModel(stream_function=scripted, model_name="scripted")
+    registry = define_model_registry(models={"m": {"model": model, "context_window": 10**8}})
     return create_agent_runtime(
         protocol=define_agent_protocol(context=Context),
         store=store,
@@ -339,7 +346,7 @@ async def window(
     median_ms = statistics.median(base.times_ns) / 1e6
     print(
         f"system=threadline store=sqlite messages={size} per_turn_ms={median_ms:.2f} db_bytes={size_now} "
-        f"turns={size // 2} history={grow} window_turns={turns} "
+        f"turns={size // 2} history={grow} window_turns={turns} model={MODEL_KIND} "
         f"p90_ms={statistics.quantiles(base.times_ns, n=10)[-1] / 1e6:.2f}",
         flush=True,
     )
@@ -442,7 +449,7 @@ async def size_run(turns: int, tmp: Path) -> None:
     tail = times[-20:]
     print(
         f"system=threadline store=sqlite messages={conv.messages} per_turn_ms={statistics.median(tail) / 1e6:.2f} "
-        f"db_bytes={db_bytes(path)} turns={turns} history=real total_s={sum(times) / 1e9:.1f} "
+        f"db_bytes={db_bytes(path)} turns={turns} history=real model={MODEL_KIND} total_s={sum(times) / 1e9:.1f} "
         f"first20_ms={statistics.median(times[:20]) / 1e6:.2f} (per_turn_ms: median of the last 20 turns)",
         flush=True,
     )
@@ -461,7 +468,15 @@ async def main() -> int:
                         help="the size whose window --profile profiles (default: the largest)")  # fmt: skip
     parser.add_argument("--publish", choices=("json",), default=None, help="compare with a JSON publisher")
     parser.add_argument("--verbose", action="store_true", help="per-operation store breakdown")
+    parser.add_argument(
+        "--model",
+        choices=("function", "minimal"),
+        default="function",
+        help="pydantic-ai FunctionModel, or a scripted Model whose cost per request ignores the history",
+    )
     args = parser.parse_args()
+    global MODEL_KIND
+    MODEL_KIND = args.model
     if any(s < 2 * args.window for s in args.sizes) or any(s % 2 for s in args.sizes):
         parser.error(f"sizes are even and at least 2 × --window ({2 * args.window})")
     import threadline

@@ -135,7 +135,8 @@ class CrashStore(AgentRuntimeStore):
     async def _run(self, name: str, operation: Any, access: Any) -> Any:
         if self._mid:
             self._mid = False
-            operation = _die_before_commit(operation, self.tracer)
+            make = operation
+            operation = lambda: _die_before_commit(make(), self.tracer)  # noqa: E731
         return await super()._run(name, operation, access)
 
     async def accept_input_and_assign_run(self, **kw: Any) -> Any:

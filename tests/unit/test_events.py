@@ -55,7 +55,9 @@ USAGE = AgentUsage(
 
 
 def durable(cls, event_type: str, version: int, **fields):
-    return cls(event_id=durable_event_id(R, event_type, version), conversation_id=C, run_id=R, version=version, **fields)
+    return cls(
+        event_id=durable_event_id(R, event_type, version), conversation_id=C, run_id=R, version=version, **fields
+    )
 
 
 def transient(cls, sequence: int, **fields):
@@ -85,7 +87,15 @@ def make_run() -> Run:
 OPERATION = RunOperation(kind="model-request", phase="first-output", operation_id="op1", step=0, started_at=NOW)
 
 DELIVERY_EVENTS: list[BaseModel] = [
-    durable(AdmissionEvent, "admission", 1, outcome="accepted", input=make_input(), run=make_run(), assistant_message_id="a1"),
+    durable(
+        AdmissionEvent,
+        "admission",
+        1,
+        outcome="accepted",
+        input=make_input(),
+        run=make_run(),
+        assistant_message_id="a1",
+    ),
     transient(AssistantDeltaEvent, 1, delta="Hel"),
     transient(ReasoningStartEvent, 2, envelope=ProviderEnvelope(provider="anthropic", data={"id": "r1"})),
     transient(ReasoningDeltaEvent, 3, delta="thinking"),
@@ -171,7 +181,9 @@ def test_the_unions_discriminate_on_type_and_refuse_each_other():
             AGENT_RUN_EVENT_ADAPTER.validate_python(event.model_dump())
     # the same payload under another discriminator is validated as that type
     delta = DELIVERY_EVENTS[1].model_dump()
-    assert type(AGENT_RUNTIME_EVENT_ADAPTER.validate_python({**delta, "type": "reasoning-delta"})) is ReasoningDeltaEvent
+    assert (
+        type(AGENT_RUNTIME_EVENT_ADAPTER.validate_python({**delta, "type": "reasoning-delta"})) is ReasoningDeltaEvent
+    )
 
 
 def test_schemas_export_and_name_every_type():
@@ -254,7 +266,10 @@ def test_provider_response_identity_from_a_model_response():
     plain = ModelResponse(parts=[], provider_name="openai", provider_response_id="chatcmpl-1")
     assert AgentProviderResponse.from_response(plain) == AgentProviderResponse(id="chatcmpl-1", provider="openai")
     routed = ModelResponse(
-        parts=[], provider_name="openrouter", provider_response_id="gen-1", provider_details={"downstream_provider": "Anthropic"}
+        parts=[],
+        provider_name="openrouter",
+        provider_response_id="gen-1",
+        provider_details={"downstream_provider": "Anthropic"},
     )
     assert AgentProviderResponse.from_response(routed) == AgentProviderResponse(id="gen-1", provider="Anthropic")
     assert AgentProviderResponse.from_response(ModelResponse(parts=[])) is None
@@ -276,7 +291,11 @@ def test_describe_internal_cause_follows_the_chain():
 
 def test_checkpoint_parts_keep_their_types():
     event = durable(
-        AssistantCheckpointEvent, "assistant-checkpoint", 2, message_id="a1", parts=(ReasoningPart(text="r"), TextPart(text="t"))
+        AssistantCheckpointEvent,
+        "assistant-checkpoint",
+        2,
+        message_id="a1",
+        parts=(ReasoningPart(text="r"), TextPart(text="t")),
     )
     again = AGENT_RUNTIME_EVENT_ADAPTER.validate_json(event.model_dump_json())
     assert [p.type for p in again.parts] == ["reasoning", "text"]

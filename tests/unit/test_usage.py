@@ -109,9 +109,18 @@ def test_a_run_that_reported_nothing_carries_every_field_unavailable():
             assert getattr(run, name) == UsageFigure()  # None, not 0
         assert run.cost == AgentCost()
     terminal = TerminalEvent(
-        event_id="r:terminal:3", conversation_id="c", run_id="r", version=3, terminal_reason="interrupted", usage=AgentUsage()
+        event_id="r:terminal:3",
+        conversation_id="c",
+        run_id="r",
+        version=3,
+        terminal_reason="interrupted",
+        usage=AgentUsage(),
     )
-    assert terminal.model_dump(mode="json")["usage"]["cost"] == {"amount": None, "currency": None, "provenance": "unavailable"}
+    assert terminal.model_dump(mode="json")["usage"]["cost"] == {
+        "amount": None,
+        "currency": None,
+        "provenance": "unavailable",
+    }
     with pytest.raises(ValidationError):  # a terminal event cannot omit usage
         TerminalEvent(event_id="r:terminal:3", conversation_id="c", run_id="r", version=3, terminal_reason="success")
 
@@ -227,7 +236,10 @@ def test_from_response_prices_a_known_model_as_an_estimate():
 
 def test_from_response_takes_openrouters_reported_cost():
     r = response(
-        GPT4O_USAGE, model_name="anthropic/claude-sonnet-4.5", provider_name="openrouter", provider_details={"cost": 0.0123}
+        GPT4O_USAGE,
+        model_name="anthropic/claude-sonnet-4.5",
+        provider_name="openrouter",
+        provider_details={"cost": 0.0123},
     )
     usage = AgentUsage.from_response(r)
     assert usage.cost == AgentCost(amount=Decimal("0.0123"), currency="USD", provenance="provider-reported")

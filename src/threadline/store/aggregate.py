@@ -9,6 +9,7 @@ caller cannot tell which — read back (``load_run``) or retry with the same ide
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -101,7 +102,7 @@ class AgentRuntimeStore:
         self._observers.append(observer)
         return lambda: self._observers.remove(observer) if observer in self._observers else None
 
-    async def _run(self, name: str, operation: Operation[T], access: Access) -> T:
+    async def _run(self, name: str, operation: Callable[[], Operation[T]], access: Access) -> T:
         stats = OperationStats(calls=1)
         try:
             result = await self.driver.run(operation, access=access, stats=stats)
@@ -146,7 +147,8 @@ class AgentRuntimeStore:
         if priority not in ("ordinary", "urgent"):
             raise AgentRecordValidationError(f"priority is 'ordinary' or 'urgent', got {priority!r}", field="priority")
         draft = _validated(MessageDraft, input, "input")
-        op = reducer.accept_input_and_assign_run(
+        op = functools.partial(
+            reducer.accept_input_and_assign_run,
             conversation_id=conversation_id,
             idempotency_key=idempotency_key,
             input=draft,
@@ -170,7 +172,8 @@ class AgentRuntimeStore:
     ) -> RunResult:
         """Take ownership of the queued run that is next in execution order; increments the fencing token."""
         _require_text(owner_id, "owner_id")
-        op = reducer.acquire_run(
+        op = functools.partial(
+            reducer.acquire_run,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -193,7 +196,8 @@ class AgentRuntimeStore:
     ) -> RunResult:
         """Write the streaming assistant draft of an owned run; with ``operation``, record its
         ``last_operation`` phase in the same transaction (one commit for both)."""
-        op = reducer.checkpoint_run_assistant(
+        op = functools.partial(
+            reducer.checkpoint_run_assistant,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -216,7 +220,8 @@ class AgentRuntimeStore:
         operation: RunOperation | Mapping[str, Any],
     ) -> RunResult:
         """Durably record the run's ``last_operation`` phase (before the provider is called)."""
-        op = reducer.record_run_operation(
+        op = functools.partial(
+            reducer.record_run_operation,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -238,7 +243,8 @@ class AgentRuntimeStore:
         lease_expires_at: datetime,
     ) -> RunResult:
         """Extend the owner's lease on an acquired run."""
-        op = reducer.renew_run_lease(
+        op = functools.partial(
+            reducer.renew_run_lease,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -253,8 +259,12 @@ class AgentRuntimeStore:
         self, *, conversation_id: str, run_id: str, expected_revision: int | None = None
     ) -> InterruptResult:
         """Durably mark an acquired run ``interrupt_requested``."""
-        op = reducer.request_run_interrupt(
-            conversation_id=conversation_id, run_id=run_id, expected_revision=expected_revision, now=self._clock()
+        op = functools.partial(
+            reducer.request_run_interrupt,
+            conversation_id=conversation_id,
+            run_id=run_id,
+            expected_revision=expected_revision,
+            now=self._clock(),
         )
         return await self._run("request_run_interrupt", op, "write")
 
@@ -276,7 +286,8 @@ class AgentRuntimeStore:
             claims = _CLAIMS.validate_python(list(absorb))
         except ValidationError as error:
             raise AgentRecordValidationError(f"absorb: {error.errors()[0]['msg']}", field="absorb") from error
-        op = reducer.commit_run_terminal(
+        op = functools.partial(
+            reducer.commit_run_terminal,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -301,7 +312,8 @@ class AgentRuntimeStore:
         stale_owner: bool = False,
     ) -> RecoverResult:
         """Requeue (with replay-safe evidence) or abandon (with stale-owner evidence) an orphaned run."""
-        op = reducer.recover_run(
+        op = functools.partial(
+            reducer.recover_run,
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -321,7 +333,8 @@ class AgentRuntimeStore:
         summary: MessageDraft | Mapping[str, Any],
     ) -> CompactionResult:
         """Replace a contiguous settled range with one summary, at exactly ``expected_version``."""
-        op = reducer.replace_compacted_range(
+        op = functools.partial(
+            reducer.replace_compacted_range,
             conversation_id=conversation_id,
             expected_version=expected_version,
             replaced_message_ids=list(replaced_message_ids),
@@ -342,40 +355,55 @@ class AgentRuntimeStore:
         _require_text(conversation_id, "conversation_id")
         _require_text(seed_key, "seed_key")
         drafts = [_validated(MessageDraft, d, f"inputs[{i}]") for i, d in enumerate(inputs)]
-        op = reducer.seed_conversation_input(
-            conversation_id=conversation_id, seed_key=seed_key, inputs=drafts, placement=placement, now=self._clock()
+        op = functools.partial(
+            reducer.seed_conversation_input,
+            conversation_id=conversation_id,
+            seed_key=seed_key,
+            inputs=drafts,
+            placement=placement,
+            now=self._clock(),
         )
         return await self._run("seed_conversation_input", op, "write")
 
     async def purge_conversation(self, *, conversation_id: str, expected_version: int | None = None) -> PurgeResult:
         """Delete the conversation and keep a permanent tombstone (see :func:`purge_agent_conversation`)."""
         _require_text(conversation_id, "conversation_id")
-        op = reducer.purge_conversation(conversation_id=conversation_id, expected_version=expected_version)
+        op = functools.partial(
+            reducer.purge_conversation, conversation_id=conversation_id, expected_version=expected_version
+        )
         return await self._run("purge_conversation", op, "write")
 
     # -------------------------------------------------------------------------------------- reads
 
     async def load_snapshot(self, *, conversation_id: str) -> ConversationSnapshot:
         """Every active message in causal order and every run. Unbounded; see :meth:`load_run`."""
-        return await self._run("load_snapshot", reducer.load_snapshot(conversation_id=conversation_id), "read")
+        return await self._run(
+            "load_snapshot", functools.partial(reducer.load_snapshot, conversation_id=conversation_id), "read"
+        )
 
     async def load_changes(self, *, conversation_id: str, since_version: int = 0) -> ConversationChanges:
         """The messages and runs written after ``since_version``; bounded by the change. Keeps a cached
         view of a conversation current without reading it whole (see ``threadline.history.view``)."""
-        op = reducer.load_changes(conversation_id=conversation_id, since_version=since_version)
+        op = functools.partial(reducer.load_changes, conversation_id=conversation_id, since_version=since_version)
         return await self._run("load_changes", op, "read")
 
     async def load_run(self, *, conversation_id: str, run_id: str) -> LoadedRun | None:
         """One run with the version it was read at and, once terminal, its answer. Bounded."""
-        return await self._run("load_run", reducer.load_run(conversation_id=conversation_id, run_id=run_id), "read")
+        return await self._run(
+            "load_run", functools.partial(reducer.load_run, conversation_id=conversation_id, run_id=run_id), "read"
+        )
 
     async def list_active_runs(self, *, conversation_id: str) -> ActiveRuns:
         """The conversation's runs that have not ended, in execution order. Bounded."""
-        return await self._run("list_active_runs", reducer.list_active_runs(conversation_id=conversation_id), "read")
+        return await self._run(
+            "list_active_runs", functools.partial(reducer.list_active_runs, conversation_id=conversation_id), "read"
+        )
 
     async def scan_recoverable(self, *, cursor: str | None = None, limit: int = 100) -> RecoverablePage:
         """One bounded page of active runs across conversations, in paging (not execution) order."""
-        return await self._run("scan_recoverable", reducer.scan_recoverable(cursor=cursor, limit=limit), "read")
+        return await self._run(
+            "scan_recoverable", functools.partial(reducer.scan_recoverable, cursor=cursor, limit=limit), "read"
+        )
 
 
 class AgentConversationReader:
@@ -394,7 +422,8 @@ class AgentConversationReader:
         include_compacted: bool = False,
     ) -> MessagePage:
         """One page of history in causal order (see :func:`threadline.store.reducer.page_messages`)."""
-        op = reducer.page_messages(
+        op = functools.partial(
+            reducer.page_messages,
             conversation_id=conversation_id,
             limit=limit,
             direction=direction,
@@ -406,7 +435,7 @@ class AgentConversationReader:
     async def list(self, *, limit: int = 100, cursor: str | None = None) -> ConversationPage:
         """One page of conversation heads ordered by id; purged conversations are absent."""
         return await self._store._run(
-            "conversations.list", reducer.list_conversations(cursor=cursor, limit=limit), "read"
+            "conversations.list", functools.partial(reducer.list_conversations, cursor=cursor, limit=limit), "read"
         )
 
 

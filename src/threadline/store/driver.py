@@ -17,7 +17,7 @@ Drivers store and load rows; they never decide a transition. Every request is an
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
@@ -281,13 +281,17 @@ class AsyncRows(Protocol):
 class StoreDriver(Protocol):
     """What :func:`create_agent_runtime_store` needs: run one operation in one transaction.
 
+    ``operation`` is a zero-argument factory returning a fresh operation generator (its ids and ``now``
+    are already fixed), so a driver may call it again to retry the whole operation from the start after
+    a serialization failure or deadlock (reset ``stats`` rows counts if it does).
+
     ``access='read'`` may use a read-only snapshot transaction; ``'write'`` must serialize with every
     other write of the same conversation (SQLite ``BEGIN IMMEDIATE``, PostgreSQL row locks or
     SERIALIZABLE with retry). An exception from the operation rolls the transaction back and propagates.
     ``stats`` receives the rows read and written so benchmarks can count work per operation.
     """
 
-    async def run(self, operation: Operation[T], *, access: Access, stats: OperationStats) -> T: ...
+    async def run(self, operation: Callable[[], Operation[T]], *, access: Access, stats: OperationStats) -> T: ...
 
     async def aclose(self) -> None: ...
 

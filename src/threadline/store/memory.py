@@ -9,6 +9,7 @@ never rewrite a stored row.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -235,12 +236,12 @@ class MemoryStoreDriver:
         self._lock = asyncio.Lock()
         self._closed = False
 
-    async def run(self, operation: Operation[T], *, access: Access, stats: OperationStats) -> T:
+    async def run(self, operation: Callable[[], Operation[T]], *, access: Access, stats: OperationStats) -> T:
         if self._closed:
             raise AgentStoreUnavailableError("the memory store was closed")
         async with self._lock:
             rows = _Rows(self._tables, self._tombstones)
-            result = drive_sync(operation, _Copying(rows), stats)
+            result = drive_sync(operation(), _Copying(rows), stats)
             if access == "write":
                 rows.commit()
             else:

@@ -882,8 +882,8 @@ class SqliteStoreDriver:
         finally:
             del value
 
-    async def run(self, operation: Operation[T], *, access: Access, stats: OperationStats) -> T:
-        return await self._call(self._transaction, operation, access, stats)
+    async def run(self, operation: Callable[[], Operation[T]], *, access: Access, stats: OperationStats) -> T:
+        return await self._call(self._transaction, operation(), access, stats)
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
         if not isinstance(conversation_id, str) or not conversation_id:

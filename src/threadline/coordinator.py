@@ -70,6 +70,15 @@ class Lane:
                 self.runtime.waiters.resolve(run_id, self.runtime.result_from(loaded.run, loaded.assistant))
 
     async def _work(self) -> None:
+        try:
+            await self._run_queue()
+        except Exception as error:  # a defect: never leave a ticket waiting for ever
+            for run_id in list(self.contexts):
+                self.runtime.waiters.reject(run_id, error)
+            self.contexts.clear()
+            raise
+
+    async def _run_queue(self) -> None:
         runtime = self.runtime
         while not runtime.closing:
             active = await runtime.retry_store(

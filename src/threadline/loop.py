@@ -24,6 +24,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from pydantic_ai.exceptions import (
+    ModelConnectionError,
+    ModelHTTPError,
+    ModelRateLimitError,
+    ModelServerError,
+    ModelUnavailableError,
+)
 from pydantic_ai.messages import (
     InstructionPart,
     ModelResponse,
@@ -52,10 +59,16 @@ from .errors import (
     AgentStoreConflictError,
 )
 from .events import (
+    AgentProviderResponse,
+    AgentStepFinishedEvent,
     AssistantCheckpointEvent,
     AssistantDeltaEvent,
+    AttemptResetEvent,
     ReasoningDeltaEvent,
+    ReasoningEndEvent,
+    ReasoningStartEvent,
     RunOperationEvent,
+    ToolProgressEvent,
     ToolStatusEvent,
     durable_event_id,
 )
@@ -83,6 +96,8 @@ from .tools import AgentTool, AgentToolContext, AppError, error_envelope
 from .usage import AgentUsage
 
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
+PROGRESS_MIN_INTERVAL = 0.25
+"""Seconds: a tool's progress reports closer together than this are dropped."""
 STORE_RETRY_DELAYS = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)  # about half a second in all
 _DECISIONS = (AgentStoreConflictError, AgentRecordNotFoundError, AgentConversationPurgedError, AgentRuntimeUsageError)
 T = TypeVar("T")
@@ -159,6 +174,7 @@ class _Failure(Exception):
         super().__init__(f"{reason}: {cause!r}")
         self.reason = reason
         self.cause = cause
+        self.partial: list[Part] = []
 
 
 # ------------------------------------------------------------------------------------ configuration
@@ -170,6 +186,23 @@ class StopPolicy:
 
     name: str
     should_stop: Callable[[StepContext], bool | Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class AgentContextUsage:
+    """The last step's prompt size beside the selected model's window (``input_tokens`` is what the
+    provider reported for the last request; ``None`` before the first step or when it reported nothing).
+    Deciding when that is too full — and compacting — is the application's call."""
+
+    input_tokens: int | None
+    context_window: int | None
+    provenance: str = "unavailable"
+
+    @property
+    def ratio(self) -> float | None:
+        if self.input_tokens is None or not self.context_window:
+            return None
+        return self.input_tokens / self.context_window
 
 
 @dataclass
@@ -185,6 +218,35 @@ class StepContext:
     messages: list[Any]
     active_tools: list[str]
     parts: tuple[Part, ...] = ()
+    context_usage: AgentContextUsage | None = None
+
+
+def _retryable_by_default(error: BaseException) -> bool:
+    """Transient provider conditions: rate limits, overload, server errors, dropped connections."""
+    if isinstance(error, ModelRateLimitError | ModelServerError | ModelUnavailableError | ModelConnectionError):
+        return True
+    return isinstance(error, ModelHTTPError) and error.status_code in (408, 409, 429, 500, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class AgentRetryPolicy:
+    """When a failed provider stream is retried at the step boundary. Only an attempt that has not invoked
+    a tool is retried (a tool effect is never replayed automatically). ``retry_on`` decides by the
+    exception (the provider's own, e.g. ``ModelRateLimitError``); an idle timeout is retried only with
+    ``retry_timeouts``. Delays grow from ``initial_delay`` by ``multiplier`` up to ``max_delay``; a
+    provider's ``retry_after`` is honoured when it is longer."""
+
+    max_attempts: int = 3
+    initial_delay: float = 0.5
+    multiplier: float = 2.0
+    max_delay: float = 30.0
+    retry_on: Callable[[BaseException], bool] = _retryable_by_default
+    retry_timeouts: bool = False
+
+    def delay(self, attempt: int, error: BaseException | None = None) -> float:
+        base = min(self.max_delay, self.initial_delay * self.multiplier ** max(0, attempt - 1))
+        hinted = getattr(error, "retry_after", None)
+        return max(base, float(hinted)) if isinstance(hinted, int | float) and hinted > 0 else base
 
 
 @dataclass
@@ -195,6 +257,7 @@ class LoopSettings:
     stop_policies: Sequence[StopPolicy] = ()
     prepare_step: Callable[[StepContext], Any] | None = None
     model_settings: ModelSettings | None = None
+    retry: AgentRetryPolicy | None = None
 
 
 @dataclass
@@ -212,6 +275,9 @@ class LoopEnv:
     tools: Callable[[Any], Awaitable[Sequence[AgentTool]]]
     publish: Callable[[Any], None]
     view: ConversationView
+    operator_publish: Callable[[Any], None] = lambda event: None
+    sequences: dict[str, int] = field(default_factory=dict)
+    """Transient sequence per run, kept by the runtime so a re-execution continues the numbering."""
     projection_options: AgentHistoryProjectionOptions = field(default_factory=AgentHistoryProjectionOptions)
     _options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = field(default_factory=dict)
 
@@ -423,8 +489,11 @@ class _Execution:
         self.parts: list[Part] = []
         self.usage = AgentUsage()
         self.claims: dict[str, AbsorbClaim] = {}
-        self.sequence = 0
         self.steps = 0
+        self.attempt = 1
+        self._tools_invoked = False
+        self._step_usage: AgentUsage | None = None
+        self._finished_calls: set[str] = set()
         self._prefix_call_ids: Any = frozenset()
 
     @property
@@ -432,13 +501,15 @@ class _Execution:
         return self.owned.run
 
     def _transient(self, cls: type, **fields: Any) -> None:
-        self.sequence += 1
+        """Publish a transient event, numbered from 1 per run counting only what is published."""
+        sequences = self.env.sequences
+        sequence = sequences[self.run.id] = sequences.get(self.run.id, 0) + 1
         self.env.publish(
             cls(
                 conversation_id=self.run.conversation_id,
                 run_id=self.run.id,
                 runtime_epoch=self.env.runtime_epoch,
-                sequence=self.sequence,
+                sequence=sequence,
                 **fields,
             )
         )
@@ -535,7 +606,8 @@ class _Execution:
     async def _stream(
         self, operation: RunOperation, model: AgentModelDescriptor, messages: list[Any], params: Any
     ) -> tuple[ModelResponse, RunOperation | None]:
-        """Stream one provider request (already durably admitted as ``operation``)."""
+        """Stream one provider request (already durably admitted as ``operation``). On failure the
+        attempt's usage still counts, and its streamed text stays as evidence unless the caller retries."""
         settings = self.env.settings
         every = max(1, settings.checkpoint_every_events)
         base = list(self.parts)
@@ -556,9 +628,12 @@ class _Execution:
                             if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
                                 continue
                             structural = isinstance(event, PartEndEvent) and isinstance(event.part, PaiToolCallPart)
-                            if not isinstance(event, PartEndEvent):
+                            if isinstance(event, PartEndEvent):
+                                if isinstance(event.part, PaiThinkingPart):
+                                    self._reasoning_end(event.part, model.provider_name)
+                            else:
                                 count += 1
-                                await self._on_event(event, operation, state)
+                                self._on_event(event, operation, state, model.provider_name)
                             if structural or count >= every:
                                 count = 0
                                 # the first-output phase rides along with the next commit
@@ -576,24 +651,27 @@ class _Execution:
             except Exception as error:
                 raise _Failure("provider_failure", error) from error
 
-        def keep_partial() -> None:
-            # what was streamed stays as evidence (complete tool calls cannot be: their results never came)
+        def partial() -> list[Part]:
             stream = state["stream"]
-            if stream is not None:
-                partial = canonical_parts(stream.get(), model.provider_name)
-                self.parts.extend(p for p in partial if p.type != "tool-call")
+            self._step_usage = AgentUsage.from_response(stream.get()) if stream is not None else AgentUsage.unreported()
+            self.usage = self.usage + self._step_usage  # a failed attempt's spend stays in the run's spend
+            if stream is None:
+                return []
+            # complete tool calls cannot stay: their results never came
+            return [p for p in canonical_parts(stream.get(), model.provider_name) if p.type != "tool-call"]
 
         try:
             response = await self._abortable(consume())
         except _Aborted:
-            keep_partial()
+            self.parts.extend(partial())
             await self._finish_operation(operation, "cancelled")
             raise
         except _Failure as failure:
-            keep_partial()
+            failure.partial = partial()
             await self._finish_operation(operation, "failed", failure.reason)
             raise
-        self.usage = self.usage + AgentUsage.from_request(response.usage)
+        self._step_usage = AgentUsage.from_response(response)
+        self.usage = self.usage + self._step_usage
         return response, state["first_pending"]
 
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
@@ -603,7 +681,9 @@ class _Execution:
                 operation.model_copy(update={"phase": phase, "finished_at": _now(), "detail": detail})
             )
 
-    async def _on_event(self, event: PartStartEvent | PartDeltaEvent, operation: RunOperation, state: dict) -> None:
+    def _on_event(
+        self, event: PartStartEvent | PartDeltaEvent, operation: RunOperation, state: dict[str, Any], provider: str
+    ) -> None:
         text = None
         reasoning = None
         output = False
@@ -612,6 +692,7 @@ class _Execution:
             if isinstance(part, PaiTextPart):
                 text = part.content
             elif isinstance(part, PaiThinkingPart):
+                self._transient(ReasoningStartEvent)
                 reasoning = part.content
             elif isinstance(part, PaiToolCallPart):
                 output = bool(part.args) or bool(part.tool_name)
@@ -631,6 +712,34 @@ class _Execution:
             state["first"] = True
             state["first_pending"] = operation.model_copy(update={"phase": "first-output", "first_output_at": _now()})
 
+    def _reasoning_end(self, part: PaiThinkingPart, provider: str) -> None:
+        data = {"id": part.id, "signature": part.signature, "provider_details": part.provider_details}
+        self._transient(ReasoningEndEvent, envelope=_envelope(part.provider_name or provider, data))
+
+    def _progress_reporter(self, call: ToolCallPart) -> Callable[..., None]:
+        """``ctx.report_progress``: transient only, at most one report per call every 250 ms, none after
+        the call's terminal status or once its attempt was abandoned."""
+        last: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        def report(message: str | None = None, progress: float | None = None, total: float | None = None) -> None:
+            if call.call_id in self._finished_calls or self.control.aborted:
+                return
+            now = loop.time()
+            if last and now - last[0] < PROGRESS_MIN_INTERVAL:
+                return
+            last[:] = [now]
+            self._transient(
+                ToolProgressEvent,
+                call_id=call.call_id,
+                tool_name=call.tool_name,
+                message=message,
+                progress=progress,
+                total=total,
+            )
+
+        return report
+
     async def _call_tool(self, tools: dict[str, AgentTool], call: ToolCallPart) -> ToolResultPart:
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
@@ -646,20 +755,32 @@ class _Execution:
                 call_id=call.call_id,
                 tool_name=call.tool_name,
                 context=self.env.context,
+                report_progress=self._progress_reporter(call),
             )
             output = _json_safe(await tool.call(ctx, args))
         except (_FenceLost, _Aborted):
             raise
         except Exception as error:
+            self._finished_calls.add(call.call_id)
             envelope = error_envelope(error)
             self._transient(
                 ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
             )
             return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope)
+        self._finished_calls.add(call.call_id)
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="completed", output=output
         )
         return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="success", output=output)
+
+    def _context_usage(self, model: AgentModelDescriptor) -> AgentContextUsage:
+        figure = self._step_usage.input_tokens if self._step_usage is not None else None
+        known = figure is not None and figure.value is not None
+        return AgentContextUsage(
+            input_tokens=figure.value if known else None,  # type: ignore[union-attr]
+            context_window=model.context_window,
+            provenance=figure.provenance if known else "unavailable",  # type: ignore[union-attr]
+        )
 
     async def _prepare(
         self, step: int, model: AgentModelDescriptor, instructions: str, by_name: dict[str, AgentTool]
@@ -680,6 +801,7 @@ class _Execution:
             messages=messages,
             active_tools=list(by_name),
             parts=tuple(self.parts),
+            context_usage=self._context_usage(model),
         )
         if self.env.settings.prepare_step is not None:
             changes = await self._callback(self.env.settings.prepare_step, ctx)
@@ -687,19 +809,61 @@ class _Execution:
                 setattr(ctx, key, value)
         return ctx
 
+    async def _retry(self, failure: _Failure, step: int, attempt_start: list[Part]) -> bool:
+        """Decide and prepare a retry of a failed provider stream at the step boundary. Only an attempt
+        that invoked no tool is retried; the failed output is discarded (``attempt-reset``) and the draft
+        checkpointed without it; inputs that joined the failed attempt join again."""
+        policy = self.env.settings.retry
+        if policy is None or self._tools_invoked or self.attempt >= policy.max_attempts:
+            return False
+        if failure.reason == "timeout" and not policy.retry_timeouts:
+            return False
+        if failure.reason == "provider_failure" and not policy.retry_on(failure.cause):
+            return False
+        if failure.reason not in ("timeout", "provider_failure"):
+            return False
+        self.attempt += 1
+        delay = policy.delay(self.attempt - 1, failure.cause)
+        scheduled = RunOperation(
+            kind="retry",
+            phase="scheduled",
+            operation_id=uuid.uuid4().hex,
+            step=step,
+            attempt=self.attempt,
+            started_at=_now(),
+            detail=type(failure.cause).__name__,
+        )
+        self.parts = list(attempt_start)
+        for run_id in self.claims:  # taken again by the retry
+            self.control.offer_injection(run_id)
+        self.parts = [p for p in self.parts if p.type != "input-joined"]
+        self.claims.clear()
+        self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
+        await self.owned.checkpoint(list(self.parts), scheduled)
+        await self._abortable(asyncio.sleep(delay))
+        await self.owned.record(scheduled.model_copy(update={"phase": "started", "started_at": _now()}))
+        return True
+
     async def _steps(self) -> tuple[str, str | None]:
         env = self.env
         model = await self._callback(env.resolve_model, self)
         instructions = await self._callback(env.instructions, self)
         tools = list(await self._callback(env.tools, self))
         by_name = {t.name: t for t in tools}
-        for step in range(max(1, env.settings.max_steps)):
+        attempt_start: list[Part] = list(self.parts)
+        step = 0
+        while step < max(1, env.settings.max_steps):
             self.steps = step + 1
             if self.control.aborted:
                 raise _Aborted()
             await self._join_injections(step)
             operation = RunOperation(
-                kind="model-request", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
+                kind="model-request",
+                phase="started",
+                operation_id=uuid.uuid4().hex,
+                step=step,
+                attempt=self.attempt,
+                started_at=_now(),
             )
             # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
             # durable admission of this request; a failed write prevents the provider call
@@ -713,7 +877,15 @@ class _Execution:
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
                 instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
             )
-            response, first = await self._stream(operation, ctx.model, ctx.messages, params)
+            try:
+                response, first = await self._stream(operation, ctx.model, ctx.messages, params)
+            except _Failure as failure:
+                self._step_finished(step, ctx.model, None)
+                if await self._retry(failure, step, attempt_start):
+                    continue
+                self.parts.extend(failure.partial)
+                raise
+            self._step_finished(step, ctx.model, response, first)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
@@ -728,6 +900,7 @@ class _Execution:
             # the fence: ownership is checked before any effect of this step's calls, and their results are
             # accepted only by the next owned commit, whose CAS verifies owner, token and revision again
             await self.owned.fence()
+            self._tools_invoked = True
             results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in calls)))
             self.parts.extend(results)
             # the tool results are checkpointed with the next request's admission, or by the terminal
@@ -735,7 +908,32 @@ class _Execution:
             for policy in env.settings.stop_policies:
                 if await self._callback(policy.should_stop, ctx):
                     return "policy_stop", policy.name
+            step += 1
         return "policy_stop", "max-steps"
+
+    def _step_finished(
+        self, step: int, model: AgentModelDescriptor, response: ModelResponse | None, first: RunOperation | None = None
+    ) -> None:
+        """Operator event: what this provider call reported (its own figures, not a sum)."""
+        ttft = None
+        if first is not None and first.first_output_at is not None:
+            ttft = max(0.0, (first.first_output_at - first.started_at).total_seconds())
+        self.env.operator_publish(
+            AgentStepFinishedEvent(
+                conversation_id=self.run.conversation_id,
+                run_id=self.run.id,
+                runtime_epoch=self.env.runtime_epoch,
+                owner_id=self.env.owner_id,
+                fencing_token=self.run.fencing_token,
+                model_id=(response.model_name if response is not None else None) or model.name,
+                step=step,
+                attempt=self.attempt,
+                usage=self._step_usage if self._step_usage is not None else AgentUsage.unreported(),
+                response=AgentProviderResponse.from_response(response) if response is not None else None,
+                finish_reason=response.finish_reason if response is not None else None,
+                ttft=ttft,
+            )
+        )
 
     async def execute(self) -> RunOutcome:
         cause: BaseException | None = None

@@ -32,11 +32,19 @@ from .errors import (
     AgentStoreConflictError,
     ThreadlineError,
 )
-from .events import AdmissionEvent, RunStateEvent, TerminalEvent, durable_event_id
+from .events import (
+    AdmissionEvent,
+    AgentRunStartedEvent,
+    AgentRunTerminalEvent,
+    RunStateEvent,
+    TerminalEvent,
+    describe_internal_cause,
+    durable_event_id,
+)
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import AgentPrompt, ComposedAgentPrompt
 from .history.view import ConversationView
-from .loop import LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run, with_store_retry
+from .loop import AgentRetryPolicy, LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run, with_store_retry
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import PARTS_ADAPTER, Message, Run
@@ -78,6 +86,7 @@ class LoopConfig:
     stop_policies: Sequence[StopPolicy | Mapping[str, Any]] = ()
     prepare_step: Callable[..., Any] | None = None
     model_settings: Mapping[str, Any] | None = None
+    retry: AgentRetryPolicy | Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -214,6 +223,18 @@ class AgentPromptContext:
     model: AgentModelDescriptor | None = None
 
 
+def _isolated(publisher: Callable[[Any], Any] | None, event: Any) -> None:
+    if publisher is None:
+        return
+    try:
+        outcome = publisher(event)
+        if inspect.isawaitable(outcome):
+            task = asyncio.ensure_future(outcome)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    except Exception:
+        pass
+
+
 def _result_from(run: Run, assistant: Message | None, usage: AgentUsage | None = None, metrics: Any = None) -> Any:
     return AgentRuntimeResult(
         terminal_reason=run.terminal_reason or "",
@@ -243,6 +264,7 @@ class AgentRuntime:
         loop: Any = None,
         history: Any = None,
         publish: Callable[[Any], Any] | None = None,
+        operator_publish: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(protocol, AgentProtocol):
             raise AgentRuntimeUsageError("protocol is built with define_agent_protocol(...)")
@@ -265,6 +287,9 @@ class AgentRuntime:
             stop_policies=tuple(self._stop_policy(p) for p in loop_config.stop_policies),
             prepare_step=loop_config.prepare_step,
             model_settings=dict(loop_config.model_settings) if loop_config.model_settings else None,  # type: ignore[arg-type]
+            retry=_section(AgentRetryPolicy, loop_config.retry, "loop.retry")
+            if loop_config.retry is not None
+            else None,
         )
         if self.loop_settings.checkpoint_every_events < 1 or self.loop_settings.max_steps < 1:
             raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
@@ -273,6 +298,8 @@ class AgentRuntime:
             {k: v for k, v in vars(history_config).items() if v is not None}
         )
         self._publish_fn = publish
+        self._operator_publish_fn = operator_publish
+        self._sequences: dict[str, int] = {}
         self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
         self.runtime_epoch = uuid.uuid4().hex
         self.closing = False
@@ -310,16 +337,12 @@ class AgentRuntime:
         return await call_maybe_async(hook, argument) if takes_argument else await call_maybe_async(hook)
 
     def publish(self, event: Any) -> None:
-        """Hand an event to the application's publisher. A publisher failure never changes a run."""
-        if self._publish_fn is None:
-            return
-        try:
-            outcome = self._publish_fn(event)
-            if inspect.isawaitable(outcome):
-                task = asyncio.ensure_future(outcome)
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        except Exception:
-            pass
+        """Hand a delivery event to the application's publisher. A publisher failure never changes a run."""
+        _isolated(self._publish_fn, event)
+
+    def operator_publish(self, event: Any) -> None:
+        """Hand an operator event (run-started, step-finished, run-terminal) to the operator publisher."""
+        _isolated(self._operator_publish_fn, event)
 
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
@@ -510,6 +533,19 @@ class AgentRuntime:
             return False
         self.waiters.mark_acquired(run.id, acquired.run)
         self._publish_run_state(acquired.run, acquired.version)
+        queue_wait = None
+        if acquired.run.acquired_at is not None:
+            queue_wait = max(0.0, (acquired.run.acquired_at - acquired.run.created_at).total_seconds())
+        self.operator_publish(
+            AgentRunStartedEvent(
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                runtime_epoch=self.runtime_epoch,
+                owner_id=self.owner_id,
+                fencing_token=acquired.run.fencing_token,
+                queue_wait=queue_wait,
+            )
+        )
         control = RunControl(run.id)
         lane.control = control
         prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)
@@ -524,6 +560,8 @@ class AgentRuntime:
             instructions=lambda _execution: self._instructions(prompt_ctx),
             tools=lambda _execution: self._run_tools(prompt_ctx),
             publish=self.publish,
+            operator_publish=self.operator_publish,
+            sequences=self._sequences,
             view=self._view(run.conversation_id),
             projection_options=self.projection_options,
             _options_by_provider=self._options_by_provider,
@@ -532,6 +570,22 @@ class AgentRuntime:
             outcome = await execute_run(env, acquired.run, control)
         finally:
             lane.control = None
+        self._sequences.pop(run.id, None)
+        self.operator_publish(
+            AgentRunTerminalEvent(
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                runtime_epoch=self.runtime_epoch,
+                owner_id=self.owner_id,
+                fencing_token=acquired.run.fencing_token,
+                outcome="committed" if outcome.committed else ("unsettled" if outcome.unsettled else "lost"),
+                terminal_reason=outcome.reason or outcome.run.terminal_reason,
+                policy_name=outcome.run.policy_name,
+                steps=outcome.steps,
+                usage=outcome.usage,
+                cause=describe_internal_cause(outcome.cause or outcome.lost or outcome.unsettled),
+            )
+        )
         if outcome.lost is not None:
             error = outcome.lost
             if not isinstance(error, AgentStoreConflictError):
@@ -859,9 +913,12 @@ def create_agent_runtime(
     loop: LoopConfig | Mapping[str, Any] | None = None,
     history: HistoryConfig | Mapping[str, Any] | None = None,
     publish: Callable[[Any], Any] | None = None,
+    operator_publish: Callable[[Any], Any] | None = None,
 ) -> AgentRuntime:
     """Build a runtime. Each section is a dict or its typed config (``RunsConfig``, ``LoopConfig``,
-    ``HistoryConfig``) with the same field names; unknown keys are refused."""
+    ``HistoryConfig``) with the same field names; unknown keys are refused. ``publish`` receives delivery
+    events (``threadline.events.AgentRuntimeEvent``), ``operator_publish`` operator events
+    (``AgentRunEvent``); both may be plain callables or sinks from ``threadline.delivery``."""
     return AgentRuntime(
         protocol=protocol,
         store=store,
@@ -872,4 +929,5 @@ def create_agent_runtime(
         loop=loop,
         history=history,
         publish=publish,
+        operator_publish=operator_publish,
     )

@@ -59,6 +59,9 @@ class AgentToolContext:
     call_id: str
     tool_name: str
     context: Any
+    report_progress: Callable[..., None] = field(default=lambda *args, **kwargs: None)
+    """``report_progress(message=None, progress=None, total=None)``: a transient ``tool-progress`` event
+    for this call (never model input, never durable history). Reports closer than 250 ms are dropped."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import uuid
 from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -63,10 +64,31 @@ def sqlite_factory(tmp_path: Path) -> StoreFactory:
     return factory
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def postgres_factory(dsn: str) -> StoreFactory:
+    """A factory of fresh PostgreSQL stores: each call gets its own schema, dropped when it closes."""
+    import psycopg
+
+    from threadline.store.postgres import create_postgres_agent_runtime_store
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[AgentRuntimeStore]:
+        schema = f"threadline_test_{uuid.uuid4().hex}"
+        try:
+            async with create_postgres_agent_runtime_store(dsn, schema=schema, max_size=4) as pg:
+                yield pg.store
+        finally:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+    return factory
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
     if request.param == "memory":
         return memory_store
+    if request.param == "postgres":
+        return postgres_factory(request.getfixturevalue("postgres_dsn"))
     return sqlite_factory(tmp_path)
 
 

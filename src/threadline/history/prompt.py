@@ -1,21 +1,63 @@
 """``compose_agent_prompt``: ordered instruction contributions and the context-window budget.
 
-A contribution is ``{"name", "stability", "render"}``; ``render(ctx)`` returns text (or None to skip)
-and receives the run's prompt context (parsed ``context``, ``conversation_id``, ``run``, ``snapshot``).
-The composed instructions reach the model through ``instruction_parts`` on every request.
+A contribution is ``{"name", "stability", "render", "source"}``. ``render(ctx)`` returns text (or None to
+skip; it may be async) and receives the run's prompt context (parsed ``context``, ``conversation_id``,
+``run``, ``model``). Contributions render in the order given and join with a blank line; each rendered
+one keeps its ``name``, ``stability`` (``stable`` for the life of the application, ``session`` for one
+conversation, ``dynamic`` per request), ``source`` (where it came from: a file, a package, the
+application; ``"application"`` when not given), its place in the order and its token count with
+provenance.
+
+``adapt_instructions`` turns the composed instruction text into whatever a provider needs as system
+content and metadata (stitchkit's ``adaptInstructions``). Its result is kept in ``AgentPrompt.adapted``;
+the text stays in ``AgentPrompt.instructions``. For pydantic-ai it can return the ``InstructionPart``
+list for ``ModelRequestParameters.instruction_parts``, e.g.
+``lambda text: [InstructionPart(content=text)]``; :meth:`AgentPrompt.instruction_parts` gives the
+per-contribution split (``dynamic`` contributions marked ``dynamic=True`` so a provider can cache the
+stable prefix).
+
+The budget (:func:`decide_prompt_budget`, :meth:`AgentPrompt.decide_budget`) is a pre-request decision
+over ``context_window`` minus ``reserved_output``, instructions, tool schemas, attachments and provider
+overhead. ``available_history_tokens`` stays signed, exact equality fits, and any unknown component makes
+the decision ``unavailable`` — it never invents a number.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import AgentRuntimeUsageError
 
+__all__ = (
+    "AgentPrompt",
+    "AgentPromptBudget",
+    "AgentPromptContribution",
+    "ComposedAgentPrompt",
+    "ContextDecision",
+    "RenderedContribution",
+    "Stability",
+    "TokenProvenance",
+    "compose_agent_prompt",
+    "decide_prompt_budget",
+    "estimate_tokens",
+    "estimate_tool_schema_tokens",
+)
+
 Stability = Literal["stable", "session", "dynamic"]
 ContextDecision = Literal["fits", "compact", "oversized", "unavailable"]
+TokenProvenance = Literal["measured", "estimated", "unavailable"]
+"""``measured``: a tokenizer or provider counted it; ``estimated``: :func:`estimate_tokens`;
+``unavailable``: nothing could count it (no number is invented)."""
+
+_STABILITIES = ("stable", "session", "dynamic")
+_CONTRIBUTION_KEYS = {"name", "stability", "render", "source"}
+
+TextCounter = Callable[[str], "int | None"]
+"""Counts the tokens of a text for the selected model; ``None`` means it cannot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +65,8 @@ class AgentPromptContribution:
     name: str
     stability: Stability
     render: Callable[[Any], str | Awaitable[str | None] | None]
+    source: str | None = None
+    """Where the contribution comes from (a file path, a package, a skill); ``"application"`` if None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +76,79 @@ class RenderedContribution:
     name: str
     stability: Stability
     text: str
-
-
-@dataclass(frozen=True, slots=True)
-class AgentPrompt:
-    instructions: str
-    contributions: tuple[RenderedContribution, ...]
+    source: str = "application"
+    index: int = 0
+    """Its place among the composed contributions (skipped ones keep their index)."""
+    tokens: int | None = None
+    token_provenance: TokenProvenance = "unavailable"
 
 
 @dataclass(frozen=True, slots=True)
 class AgentPromptBudget:
     """A pre-request decision. ``available_history_tokens`` stays signed: negative means even an empty
-    history cannot fit. ``None`` counts make the decision ``unavailable``."""
+    history cannot fit. ``None`` counts make the decision ``unavailable``; ``unavailable`` names them."""
 
     decision: ContextDecision
     available_history_tokens: int | None
     history_tokens: int | None
+    fixed_tokens: int | None = None
+    """Everything but history: reserved output, instructions, tool schemas, attachments, overhead."""
+    removable_history_tokens: int | None = None
+    unavailable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentPrompt:
+    """The composed instructions of one request.
+
+    ``instructions`` is the contributions' text joined by blank lines; ``adapted`` is what
+    ``adapt_instructions`` made of it (None without a hook); ``instructions_tokens`` counts
+    ``instructions`` with ``token_provenance``.
+    """
+
+    instructions: str
+    contributions: tuple[RenderedContribution, ...]
+    adapted: Any = None
+    instructions_tokens: int | None = None
+    token_provenance: TokenProvenance = "unavailable"
+
+    def instruction_parts(self) -> list[Any]:
+        """pydantic-ai ``InstructionPart`` s, one per rendered contribution in order; a ``dynamic``
+        contribution is marked ``dynamic=True`` (``stable`` and ``session`` ones are a cacheable prefix)."""
+        from pydantic_ai.messages import InstructionPart
+
+        return [InstructionPart(content=c.text, dynamic=c.stability == "dynamic") for c in self.contributions]
+
+    def decide_budget(
+        self,
+        *,
+        context_window: int | None,
+        reserved_output: int | None = 0,
+        tool_schema_tokens: int | None = 0,
+        attachment_tokens: int | None = 0,
+        provider_overhead_tokens: int | None = 0,
+        history_tokens: int | None = 0,
+        removable_history_tokens: int | None = None,
+    ) -> AgentPromptBudget:
+        """:func:`decide_prompt_budget` with this prompt's ``instructions_tokens``."""
+        return decide_prompt_budget(
+            context_window=context_window,
+            reserved_output=reserved_output,
+            instructions_tokens=self.instructions_tokens,
+            tool_schema_tokens=tool_schema_tokens,
+            attachment_tokens=attachment_tokens,
+            provider_overhead_tokens=provider_overhead_tokens,
+            history_tokens=history_tokens,
+            removable_history_tokens=removable_history_tokens,
+        )
+
+
+def _count(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AgentRuntimeUsageError(f"{name} is a non-negative integer token count or None, got {value!r}")
+    return value
 
 
 def decide_prompt_budget(
@@ -61,21 +162,48 @@ def decide_prompt_budget(
     history_tokens: int | None = 0,
     removable_history_tokens: int | None = None,
 ) -> AgentPromptBudget:
-    """``fits`` when everything fits (exact equality fits); ``compact`` only when removing the removable
-    history could make it fit; ``oversized`` otherwise (also when the fixed parts alone overflow, with a
-    negative ``available_history_tokens``); ``unavailable`` when any component is unknown."""
-    fixed = (reserved_output, instructions_tokens, tool_schema_tokens, attachment_tokens, provider_overhead_tokens)
-    if context_window is None or history_tokens is None or any(v is None for v in fixed):
-        return AgentPromptBudget("unavailable", None, history_tokens)
-    available = context_window - sum(v for v in fixed if v is not None)
+    """Decide whether a request fits ``context_window``.
+
+    - ``unavailable`` when any component is ``None`` (even if the known ones already overflow); no
+      arithmetic is done and ``available_history_tokens`` is ``None``.
+    - ``oversized`` when the fixed parts alone exceed the window: ``available_history_tokens`` is
+      negative, also with empty history.
+    - ``fits`` when history fits what is left; exact equality fits (a zero window with zero everything
+      fits, with ``available_history_tokens == 0``).
+    - ``compact`` only when removing ``removable_history_tokens`` could make it fit (``None``: all of the
+      history is removable); otherwise ``oversized``.
+    """
+    components = {
+        "context_window": _count("context_window", context_window),
+        "reserved_output": _count("reserved_output", reserved_output),
+        "instructions_tokens": _count("instructions_tokens", instructions_tokens),
+        "tool_schema_tokens": _count("tool_schema_tokens", tool_schema_tokens),
+        "attachment_tokens": _count("attachment_tokens", attachment_tokens),
+        "provider_overhead_tokens": _count("provider_overhead_tokens", provider_overhead_tokens),
+        "history_tokens": _count("history_tokens", history_tokens),
+    }
+    removable = _count("removable_history_tokens", removable_history_tokens)
+    missing = tuple(name for name, value in components.items() if value is None)
+    if missing:
+        return AgentPromptBudget("unavailable", None, history_tokens, None, removable, missing)
+    window = components.pop("context_window")
+    history = components.pop("history_tokens")
+    assert window is not None and history is not None
+    fixed = sum(v for v in components.values() if v is not None)
+    if removable is None:
+        removable = history
+    elif removable > history:
+        raise AgentRuntimeUsageError(f"removable_history_tokens ({removable}) cannot exceed history_tokens ({history})")
+    available = window - fixed
     if available < 0:
-        return AgentPromptBudget("oversized", available, history_tokens)
-    if history_tokens <= available:
-        return AgentPromptBudget("fits", available, history_tokens)
-    removable = history_tokens if removable_history_tokens is None else removable_history_tokens
-    if history_tokens - removable <= available:
-        return AgentPromptBudget("compact", available, history_tokens)
-    return AgentPromptBudget("oversized", available, history_tokens)
+        decision: ContextDecision = "oversized"
+    elif history <= available:
+        decision = "fits"
+    elif history - removable <= available:
+        decision = "compact"
+    else:
+        decision = "oversized"
+    return AgentPromptBudget(decision, available, history, fixed, removable)
 
 
 def estimate_tokens(text: str) -> int:
@@ -83,40 +211,114 @@ def estimate_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+def estimate_tool_schema_tokens(tools: Iterable[Any]) -> int:
+    """Estimate the tokens of tool declarations as a provider receives them: each tool's name,
+    description and JSON Schema of its arguments. Accepts pydantic-ai ``ToolDefinition`` s (or anything
+    with ``name``, ``description``, ``parameters_json_schema``) and mappings with those keys. The result
+    is ``estimated``; a provider's own count, when it reports one, is ``measured``."""
+    total = 0
+    for tool in tools:
+        get = tool.get if isinstance(tool, Mapping) else lambda key, t=tool: getattr(t, key, None)
+        payload = {
+            "name": get("name"),
+            "description": get("description"),
+            "parameters": get("parameters_json_schema"),
+        }
+        total += estimate_tokens(json.dumps(payload, sort_keys=True, default=str))
+    return total
+
+
+def _measure(text: str, count_tokens: TextCounter | None) -> tuple[int | None, TokenProvenance]:
+    if count_tokens is None:
+        return estimate_tokens(text), "estimated"
+    value = count_tokens(text)
+    if value is None:
+        return None, "unavailable"
+    return _count("count_tokens(...)", value), "measured"
+
+
 class ComposedAgentPrompt:
     """Callable ``prompt(ctx) -> AgentPrompt`` rendering the contributions in order."""
 
-    def __init__(self, contributions: Sequence[AgentPromptContribution]) -> None:
+    def __init__(
+        self,
+        contributions: Sequence[AgentPromptContribution],
+        *,
+        adapt_instructions: Callable[[str], Any] | None = None,
+        count_tokens: TextCounter | None = None,
+    ) -> None:
         self.contributions = tuple(contributions)
+        self.adapt_instructions = adapt_instructions
+        self.count_tokens = count_tokens
 
-    async def __call__(self, ctx: Any) -> AgentPrompt:
-        rendered = []
-        for c in self.contributions:
+    async def __call__(self, ctx: Any, *, adapt_instructions: Callable[[str], Any] | None = None) -> AgentPrompt:
+        """Render every contribution for ``ctx``. ``adapt_instructions`` here overrides the composed one.
+
+        A render that raises propagates unchanged (the runtime ends the run ``runtime_failure``).
+        """
+        rendered: list[RenderedContribution] = []
+        for index, c in enumerate(self.contributions):
             text = c.render(ctx)
             if inspect.isawaitable(text):
                 text = await text
-            if text:
-                rendered.append(RenderedContribution(c.name, c.stability, str(text)))
-        return AgentPrompt("\n\n".join(r.text for r in rendered), tuple(rendered))
+            if not text:
+                continue
+            text = str(text)
+            tokens, provenance = _measure(text, self.count_tokens)
+            rendered.append(
+                RenderedContribution(c.name, c.stability, text, c.source or "application", index, tokens, provenance)
+            )
+        instructions = "\n\n".join(r.text for r in rendered)
+        tokens, provenance = _measure(instructions, self.count_tokens) if instructions else (0, "measured")
+        adapt = adapt_instructions or self.adapt_instructions
+        adapted = None
+        if adapt is not None:
+            adapted = adapt(instructions)
+            if inspect.isawaitable(adapted):
+                adapted = await adapted
+        return AgentPrompt(instructions, tuple(rendered), adapted, tokens, provenance)
 
 
 def compose_agent_prompt(
     contributions: Sequence[AgentPromptContribution | Mapping[str, Any]],
+    *,
+    adapt_instructions: Callable[[str], Any] | None = None,
+    count_tokens: TextCounter | None = None,
 ) -> ComposedAgentPrompt:
-    """Compose ordered contributions; names must be unique and ``render`` callable."""
+    """Compose ordered contributions; names must be unique, ``render`` callable and ``stability`` one of
+    ``stable``, ``session``, ``dynamic``.
+
+    ``adapt_instructions(text)`` (sync or async) makes the provider-specific system content; its result is
+    ``AgentPrompt.adapted``. ``count_tokens(text)`` measures tokens for the selected model (provenance
+    ``measured``; ``None`` from it is ``unavailable``); without it counts are ``estimated``. Empty
+    instructions count as zero tokens, ``measured`` (nothing to send).
+    """
     parsed: list[AgentPromptContribution] = []
     for i, c in enumerate(contributions):
         if isinstance(c, Mapping):
-            unknown = set(c) - {"name", "stability", "render"}
+            unknown = set(c) - _CONTRIBUTION_KEYS
             if unknown:
                 raise AgentRuntimeUsageError(f"contributions[{i}] has unknown keys {sorted(unknown)}")
-            c = AgentPromptContribution(c.get("name", ""), c.get("stability", "stable"), c.get("render"))  # type: ignore[arg-type]
+            c = AgentPromptContribution(
+                c.get("name", ""),
+                c.get("stability", "stable"),
+                c.get("render"),  # type: ignore[arg-type]
+                c.get("source"),
+            )
+        if not isinstance(c, AgentPromptContribution):
+            raise AgentRuntimeUsageError(f"contributions[{i}] is a mapping or an AgentPromptContribution")
         if not c.name or not callable(c.render):
             raise AgentRuntimeUsageError(f"contributions[{i}] needs a name and a callable render")
-        if c.stability not in ("stable", "session", "dynamic"):
+        if c.stability not in _STABILITIES:
             raise AgentRuntimeUsageError(f"contributions[{i}].stability is 'stable', 'session' or 'dynamic'")
+        if c.source is not None and (not isinstance(c.source, str) or not c.source):
+            raise AgentRuntimeUsageError(f"contributions[{i}].source is a non-empty string or None")
         parsed.append(c)
     names = [c.name for c in parsed]
     if len(set(names)) != len(names):
         raise AgentRuntimeUsageError(f"contribution names are unique: {names}")
-    return ComposedAgentPrompt(parsed)
+    if adapt_instructions is not None and not callable(adapt_instructions):
+        raise AgentRuntimeUsageError("adapt_instructions is a callable taking the instruction text")
+    if count_tokens is not None and not callable(count_tokens):
+        raise AgentRuntimeUsageError("count_tokens is a callable taking a text and returning an int or None")
+    return ComposedAgentPrompt(parsed, adapt_instructions=adapt_instructions, count_tokens=count_tokens)

@@ -1,0 +1,390 @@
+"""``structured_compaction`` against real stores (memory reference driver and a SQLite file).
+
+Pins: the summary replaces the compactable prefix at the snapshot's exact version; a concurrent input
+makes the write conflict and the attempt is redone from a fresh snapshot — re-selected and
+re-summarised, the stale summary never lands — up to ``max_attempts`` (then ``conflict_exhausted`` with
+nothing written); a leading summary is merged (``previous_summary`` / ``read_previous_summary``) and
+replaced, never stacked; barriers (failed, superseded, dangling tool call) give ``barrier`` and the
+``assistant-marked`` evidence policy lets a failed turn be summarised; the projection afterwards carries
+the summary on the system channel; a running run is untouched and still commits; the runtime hook
+compacts only when ``should_compact(context_usage)`` says so. On a SQLite file, reading back with
+``include_compacted`` gives the whole sequence in order, ``compacted`` naming the replaced ids and each
+summary right after the last message it replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from threadline.errors import AgentRuntimeUsageError
+from threadline.history.compaction import (
+    AgentCompactionHook,
+    select_compactable_history,
+    structured_compaction,
+    summary_text,
+)
+from threadline.history.projection import (
+    AgentHistoryEvidencePolicy,
+    AgentHistoryProjectionOptions,
+    project_agent_history_detailed,
+)
+from threadline.records import Message
+from threadline.store import AgentRuntimeStore, create_memory_agent_runtime_store
+from threadline.store.sqlite import create_sqlite_agent_runtime_store
+
+OWNER = "owner-1"
+CID = "c"
+
+
+def text(t: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": t}]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime(2030, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        self.now += timedelta(seconds=1)
+        return self.now
+
+
+async def start(store: AgentRuntimeStore, n: str) -> Any:
+    """Admit and acquire run ``n``; returns the running run."""
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id=CID,
+        idempotency_key=f"key-{n}",
+        input={"id": f"{n}:in", "parts": text(f"question {n}")},
+        run_id=f"{n}:run",
+        assistant_message_id=f"{n}:out",
+    )
+    acquired = await store.acquire_run(
+        conversation_id=CID, run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
+    )
+    return acquired.run
+
+
+async def turn(store: AgentRuntimeStore, n: str, reason: str = "success", parts: list[Any] | None = None) -> None:
+    run = await start(store, n)
+    await store.commit_run_terminal(
+        conversation_id=CID,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=OWNER,
+        fencing_token=run.fencing_token,
+        terminal_reason=reason,
+        parts=parts if parts is not None else text(f"answer {n}"),
+    )
+
+
+async def admit(store: AgentRuntimeStore, n: str) -> None:
+    await store.accept_input_and_assign_run(
+        conversation_id=CID, idempotency_key=f"key-{n}", input={"id": f"{n}:in", "parts": text(f"late {n}")}
+    )
+
+
+class Summarizer:
+    """Records every call; the text names the call number and what it summarised."""
+
+    def __init__(self, during: Any = None) -> None:
+        self.calls: list[tuple[list[str], str | None]] = []
+        self.during = during
+
+    async def __call__(self, eligible: list[Message], previous: str | None) -> str:
+        self.calls.append(([m.id for m in eligible], previous))
+        if self.during is not None:
+            await self.during(len(self.calls))
+        return f"summary #{len(self.calls)} of {len(eligible)} messages"
+
+
+async def snapshot_ids(store: AgentRuntimeStore) -> list[str]:
+    return [m.id for m in (await store.load_snapshot(conversation_id=CID)).messages]
+
+
+async def everything(store: AgentRuntimeStore) -> list[Message]:
+    page = await store.conversations.messages(CID, include_compacted=True, limit=1000)
+    return list(page.items)
+
+
+@pytest.fixture
+def store() -> AgentRuntimeStore:
+    return create_memory_agent_runtime_store()
+
+
+# -------------------------------------------------------------------------------------- memory store
+
+
+async def test_compacts_the_prefix_and_projects_the_summary_as_system(store: AgentRuntimeStore) -> None:
+    await store.seed_conversation_input(
+        conversation_id=CID, seed_key="lead", inputs=[{"id": "sys", "role": "system", "parts": text("Be brief.")}]
+    )
+    for n in ("t1", "t2", "t3", "t4"):
+        await turn(store, n)
+    summarize = Summarizer()
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=2)
+    assert outcome.outcome == "compacted" and (outcome.attempts, outcome.summarize_calls) == (1, 1)
+    assert outcome.replaced_message_ids == ("t1:in", "t1:out", "t2:in", "t2:out")
+    assert summarize.calls == [(["t1:in", "t1:out", "t2:in", "t2:out"], None)]
+    assert outcome.summary is not None and outcome.summary.id == outcome.summary_id
+    assert await snapshot_ids(store) == ["sys", outcome.summary_id, "t3:in", "t3:out", "t4:in", "t4:out"]
+
+    snapshot = await store.load_snapshot(conversation_id=CID)
+    assert outcome.version == snapshot.version
+    projection = project_agent_history_detailed(snapshot.messages)
+    assert projection.system == ["Be brief.", "summary #1 of 4 messages"]
+    decisions = {d.message_id: (d.action, d.reason) for d in projection.decisions}
+    assert decisions[outcome.summary_id] == ("projected", "system-channel")  # type: ignore[index]
+    assert len(projection.messages) == 4  # t3 and t4 only: request, response, request, response
+
+    again = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=2)
+    assert (again.outcome, again.summarize_calls) == ("not_needed", 0)
+
+
+async def test_conflict_with_a_concurrent_input_resummarises_and_never_applies_the_stale_summary(
+    store: AgentRuntimeStore,
+) -> None:
+    for n in ("t1", "t2", "t3"):
+        await turn(store, n)
+
+    async def concurrent_input(call: int) -> None:
+        if call == 1:
+            await admit(store, "late")  # moves the version while the first summary is being written
+
+    summarize = Summarizer(during=concurrent_input)
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, max_attempts=3)
+    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("compacted", 2, 2)
+    assert len(summarize.calls) == 2  # re-summarised from the reloaded snapshot
+    assert summarize.calls[0][0] == summarize.calls[1][0] == ["t1:in", "t1:out", "t2:in", "t2:out"]
+    texts = [summary_text(m) for m in await everything(store) if m.role == "summary"]
+    assert texts == ["summary #2 of 4 messages"]  # the stale summary #1 never landed
+    assert await snapshot_ids(store) == [outcome.summary_id, "t3:in", "t3:out", "late:in"]
+
+
+async def test_conflicts_exhaust_the_attempts_and_write_nothing(store: AgentRuntimeStore) -> None:
+    for n in ("t1", "t2", "t3"):
+        await turn(store, n)
+    before = await snapshot_ids(store)
+
+    async def always(call: int) -> None:
+        await admit(store, f"late{call}")
+
+    summarize = Summarizer(during=always)
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, max_attempts=3)
+    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("conflict_exhausted", 3, 3)
+    assert outcome.summary_id is None and outcome.replaced_message_ids == ()
+    assert await snapshot_ids(store) == [*before, "late1:in", "late2:in", "late3:in"]
+    assert not [m for m in await everything(store) if m.role == "summary"]
+
+
+async def test_a_leading_summary_is_merged_and_replaced_not_stacked(store: AgentRuntimeStore) -> None:
+    for n in ("t1", "t2", "t3"):
+        await turn(store, n)
+    summarize = Summarizer()
+    first = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    for n in ("t4", "t5"):
+        await turn(store, n)
+    second = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    assert second.outcome == "compacted"
+    assert summarize.calls[1] == (["t3:in", "t3:out", "t4:in", "t4:out"], "summary #1 of 4 messages")
+    assert second.replaced_message_ids == (first.summary_id, "t3:in", "t3:out", "t4:in", "t4:out")
+    assert await snapshot_ids(store) == [second.summary_id, "t5:in", "t5:out"]
+    active = [m for m in (await store.load_snapshot(conversation_id=CID)).messages if m.role == "summary"]
+    assert [m.id for m in active] == [second.summary_id]
+    old = next(m for m in await everything(store) if m.id == first.summary_id)
+    assert (old.active, old.compacted_by) == (False, second.summary_id)
+
+    # a structured summary: the application reads its own previous summary back
+    await turn(store, "t6")
+    seen: list[str] = []
+
+    def read_previous(leading: Message) -> str:
+        seen.append(leading.id)
+        return json.dumps({"merged": summary_text(leading)})
+
+    third = await structured_compaction(
+        store, CID, summarize=summarize, keep_recent_turns=1, read_previous_summary=read_previous
+    )
+    assert third.outcome == "compacted" and seen == [second.summary_id]
+    assert summarize.calls[2][1] == json.dumps({"merged": "summary #2 of 4 messages"})
+
+    # a direct call passes the previous summary itself
+    await turn(store, "t7")
+    fourth = await structured_compaction(
+        store, CID, summarize=summarize, keep_recent_turns=1, previous_summary="held by the app"
+    )
+    assert fourth.outcome == "compacted" and summarize.calls[3][1] == "held by the app"
+    assert [m.role for m in (await store.load_snapshot(conversation_id=CID)).messages].count("summary") == 1
+
+
+@pytest.mark.parametrize(
+    ("reason", "parts", "barrier"),
+    [
+        ("provider_failure", text("half an answer"), "failed"),
+        ("superseded", text("never spoken"), "superseded"),
+        ("success", [{"type": "tool-call", "call_id": "c1", "tool_name": "lookup", "input": {}}], "dangling-tool-call"),
+    ],
+)
+async def test_barriers(store: AgentRuntimeStore, reason: str, parts: list[Any], barrier: str) -> None:
+    await turn(store, "x", reason=reason, parts=parts)
+    for n in ("t1", "t2"):
+        await turn(store, n)
+    summarize = Summarizer()
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    assert outcome.outcome == "barrier" and summarize.calls == []
+    assert outcome.barrier is not None and (outcome.barrier.message_id, outcome.barrier.reason) == ("x:in", barrier)
+
+
+async def test_failed_evidence_opted_in_is_summarised(store: AgentRuntimeStore) -> None:
+    await turn(store, "t1")
+    await turn(store, "bad", reason="provider_failure", parts=text("half an answer"))
+    await turn(store, "t2")
+    await turn(store, "t3")
+    policy = AgentHistoryEvidencePolicy(failed_assistant="assistant-marked")
+    default = await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=1)
+    assert default.replaced_message_ids == ("t1:in", "t1:out")  # the failed turn stops the prefix
+    reasons: dict[str, str] = {}
+
+    def summarize(eligible: list[Message], previous: str | None) -> str:
+        # as the guide says: project the raw eligible messages with the same policy before a model sees them
+        projected = project_agent_history_detailed(eligible, AgentHistoryProjectionOptions(evidence_policy=policy))
+        reasons.update({d.message_id: d.reason for d in projected.decisions})
+        return "t1 answered; the next turn FAILED with partial output; t2 answered"
+
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, evidence_policy=policy)
+    assert outcome.outcome == "compacted"
+    assert outcome.replaced_message_ids == (default.summary_id, "bad:in", "bad:out", "t2:in", "t2:out")
+    assert reasons["bad:out"] == "failed-evidence"  # the failure reaches the summariser marked
+    failed = [m for m in await everything(store) if m.id == "bad:out"]
+    assert (failed[0].status, failed[0].active) == ("failed", False)  # stored statuses never change
+
+
+async def test_a_running_run_is_a_barrier_and_still_commits(store: AgentRuntimeStore) -> None:
+    for n in ("t1", "t2"):
+        await turn(store, n)
+    running = await start(store, "live")
+    checkpoint = await store.checkpoint_run_assistant(
+        conversation_id=CID,
+        run_id=running.id,
+        expected_revision=running.revision,
+        owner_id=OWNER,
+        fencing_token=running.fencing_token,
+        parts=text("thinking"),
+    )
+    outcome = await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=1)
+    assert outcome.replaced_message_ids == ("t1:in", "t1:out")
+    run = checkpoint.run
+    done = await store.commit_run_terminal(
+        conversation_id=CID,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=OWNER,
+        fencing_token=run.fencing_token,
+        terminal_reason="success",
+        parts=text("answer live"),
+    )
+    assert done.outcome == "committed"
+    assert await snapshot_ids(store) == [outcome.summary_id, "t2:in", "t2:out", "live:in", "live:out"]
+
+
+async def test_not_needed_and_argument_errors(store: AgentRuntimeStore) -> None:
+    empty = await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=0)
+    assert (empty.outcome, empty.version) == ("not_needed", 0)
+    await turn(store, "t1")
+    assert (await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=1)).outcome == (
+        "not_needed"
+    )
+    with pytest.raises(AgentRuntimeUsageError):
+        await structured_compaction(
+            store, CID, summarize=Summarizer(), keep_recent_turns=0, previous_summary="a", read_previous_summary=str
+        )
+    with pytest.raises(AgentRuntimeUsageError):
+        await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=0, max_attempts=0)
+    with pytest.raises(AgentRuntimeUsageError):
+        await structured_compaction(store, CID, summarize=lambda e, p: "", keep_recent_turns=0)
+    assert await snapshot_ids(store) == ["t1:in", "t1:out"]
+
+
+async def test_runtime_hook_compacts_when_the_application_decides(store: AgentRuntimeStore) -> None:
+    for n in ("t1", "t2", "t3"):
+        await turn(store, n)
+    usages: list[Any] = []
+
+    def should_compact(usage: Any) -> bool:
+        usages.append(usage)
+        return usage is not None and usage["input_tokens"] / usage["context_window"] >= 0.8
+
+    hook = AgentCompactionHook.parse(
+        {"should_compact": should_compact, "summarize": Summarizer(), "keep_recent_turns": 1}
+    )
+    assert await hook.before_step(store, CID, None) is None
+    assert await hook.before_step(store, CID, {"input_tokens": 70, "context_window": 100}) is None
+    outcome = await hook.before_step(store, CID, {"input_tokens": 80, "context_window": 100})
+    assert outcome is not None and outcome.outcome == "compacted"
+    assert outcome.replaced_message_ids == ("t1:in", "t1:out", "t2:in", "t2:out")
+    with pytest.raises(AgentRuntimeUsageError):
+        AgentCompactionHook.parse({"summarize": Summarizer(), "keep_recent_turns": 1, "threshold": 0.8})
+    with pytest.raises(AgentRuntimeUsageError):
+        AgentCompactionHook.parse({"summarize": Summarizer(), "keep_recent_turns": 1})
+
+
+# ----------------------------------------------------------------------------------------- SQLite file
+
+
+async def test_sqlite_reads_back_the_whole_sequence_with_compacted_ids(tmp_path: Path) -> None:
+    db = tmp_path / "threadline.db"
+    async with create_sqlite_agent_runtime_store(filename=db, clock=Clock()) as sqlite:
+        store = sqlite.store
+        await store.seed_conversation_input(
+            conversation_id=CID, seed_key="lead", inputs=[{"id": "sys", "role": "system", "parts": text("Be brief.")}]
+        )
+        for n in ("t1", "t2", "t3"):
+            await turn(store, n)
+        first = await structured_compaction(store, CID, summarize=Summarizer(), keep_recent_turns=1)
+        assert first.replaced_message_ids == ("t1:in", "t1:out", "t2:in", "t2:out")
+        s1 = first.summary_id
+        page = await sqlite.conversations.messages(CID, include_compacted=True)
+        assert [m.id for m in page.items] == ["sys", "t1:in", "t1:out", "t2:in", "t2:out", s1, "t3:in", "t3:out"]
+        assert page.compacted == first.replaced_message_ids
+        visible = await sqlite.conversations.messages(CID)
+        assert [m.id for m in visible.items] == ["sys", s1, "t3:in", "t3:out"] and visible.compacted == ()
+
+    # reopen the file: compaction is durable, and the next one replaces the first summary
+    async with create_sqlite_agent_runtime_store(filename=db, clock=Clock()) as sqlite:
+        store = sqlite.store
+        for n in ("t4", "t5"):
+            await turn(store, n)
+        summarize = Summarizer()
+        second = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+        assert summarize.calls[0][1] == "summary #1 of 4 messages"
+        assert second.replaced_message_ids == (s1, "t3:in", "t3:out", "t4:in", "t4:out")
+        s2 = second.summary_id
+        page = await sqlite.conversations.messages(CID, include_compacted=True)
+        assert [m.id for m in page.items] == [
+            "sys",
+            "t1:in",
+            "t1:out",
+            "t2:in",
+            "t2:out",
+            s1,  # right after the last message it replaced
+            "t3:in",
+            "t3:out",
+            "t4:in",
+            "t4:out",
+            s2,  # right after the last message it replaced
+            "t5:in",
+            "t5:out",
+        ]
+        assert page.compacted == ("t1:in", "t1:out", "t2:in", "t2:out", s1, "t3:in", "t3:out", "t4:in", "t4:out")
+        by_id = {m.id: m for m in page.items}
+        assert {by_id[i].compacted_by for i in ("t1:in", "t2:out")} == {s1}
+        assert {by_id[i].compacted_by for i in (s1, "t3:in", "t4:out")} == {s2}
+        snapshot = await store.load_snapshot(conversation_id=CID)
+        assert [m.id for m in snapshot.messages] == ["sys", s2, "t5:in", "t5:out"]
+        assert project_agent_history_detailed(snapshot.messages).system == ["Be brief.", "summary #1 of 4 messages"]
+        # the selection the store applied is the published one
+        assert select_compactable_history(snapshot.messages, 1).compactable == ()

@@ -1,0 +1,254 @@
+"""What a transport and an operator see: event order per run, transient numbering without false gaps,
+reasoning, parallel tools, progress, retries (attempt-reset) and failure-isolated sinks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.models.function import DeltaThinkingPart, DeltaToolCall
+
+import threadline.loop as loop_module
+from threadline import AgentToolContext, define_agent_tool
+from threadline.delivery import (
+    AgentRuntimeEventCursor,
+    advance_agent_runtime_event_cursor,
+    create_agent_operator_sink,
+    create_agent_runtime_event_sink,
+)
+from threadline.loop import AgentRetryPolicy
+
+from .conftest import Script, answer_text, make_runtime, submit
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+
+    def types(self, run_id: str | None = None) -> list[str]:
+        return [e.type for e in self.events if run_id is None or e.run_id == run_id]
+
+    def of(self, kind: str) -> list[Any]:
+        return [e for e in self.events if e.type == kind]
+
+
+async def run_with(store: Any, script: Script, **sections: Any) -> tuple[Any, Recorder, Recorder]:
+    delivery, operator = Recorder(), Recorder()
+    runtime = make_runtime(store, script, publish=delivery, operator_publish=operator, **sections)
+    result = await asyncio.wait_for(submit(runtime, "k", "hello").result, 10)
+    await runtime.close()
+    return result, delivery, operator
+
+
+def transient_sequences(events: list[Any], run_id: str) -> list[int]:
+    return [e.sequence for e in events if e.run_id == run_id and hasattr(e, "sequence")]
+
+
+async def test_a_streamed_answer_in_order(store: Any) -> None:
+    async def words(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        for w in ("one ", "two ", "three"):
+            yield w
+
+    result, delivery, operator = await run_with(store, Script(words))
+    run_id = result.run.id
+    types = delivery.types(run_id)
+    assert types[:3] == ["admission", "run-state", "run-state"]  # admitted (queued), then running
+    assert types[-2:] == ["run-state", "terminal"]
+    assert [e.delta for e in delivery.of("assistant-delta")] == ["one ", "two ", "three"]
+    phases = [e.operation.phase for e in delivery.of("run-operation")]
+    assert phases == ["started", "first-output", "completed"]
+    # durable events follow their commits: versions never go backwards
+    versions = [e.version for e in delivery.events if hasattr(e, "version")]
+    assert versions == sorted(versions)
+    assert transient_sequences(delivery.events, run_id) == [1, 2, 3]
+    terminal = delivery.of("terminal")[0]
+    assert terminal.usage.output_tokens.provenance == "computed", "a run total is computed"
+    assert [e.type for e in operator.events] == ["run-started", "step-finished", "run-terminal"]
+    assert operator.events[1].usage.output_tokens.provenance == "provider-reported", "a step's own figure"
+    assert operator.events[-1].outcome == "committed" and operator.events[-1].usage.steps == 1
+
+
+async def test_reasoning_is_framed_by_start_and_end(store: Any) -> None:
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        yield {0: DeltaThinkingPart(content="let me think")}
+        yield {0: DeltaThinkingPart(content=" harder")}
+        yield "the answer"
+
+    result, delivery, _ = await run_with(store, Script(handler))
+    kinds = [t for t in delivery.types(result.run.id) if t.startswith("reasoning") or t == "assistant-delta"]
+    assert kinds == ["reasoning-start", "reasoning-delta", "reasoning-delta", "reasoning-end", "assistant-delta"]
+    assert [e.delta for e in delivery.of("reasoning-delta")] == ["let me think", " harder"]
+    assert any(p.type == "reasoning" for p in result.assistant.parts)
+
+
+async def test_parallel_tool_calls_run_concurrently_and_record_in_call_order(store: Any) -> None:
+    both_started = asyncio.Event()
+    started: list[str] = []
+
+    @define_agent_tool
+    async def slow(name: str) -> str:
+        started.append(name)
+        if len(started) == 2:
+            both_started.set()
+        await asyncio.wait_for(both_started.wait(), 5)  # only returns if the calls overlap
+        return f"done {name}"
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield {0: DeltaToolCall(name="slow", json_args='{"name": "a"}', tool_call_id="ca")}
+            yield {1: DeltaToolCall(name="slow", json_args='{"name": "b"}', tool_call_id="cb")}
+        else:
+            yield "both done"
+
+    result, delivery, _ = await run_with(store, Script(handler), tools=[slow])
+    assert result.terminal_reason == "success"
+    statuses = [(e.call_id, e.status) for e in delivery.of("tool-status")]
+    assert statuses[:2] == [("ca", "started"), ("cb", "started")]
+    results = [p for p in result.assistant.parts if p.type == "tool-result"]
+    assert [r.call_id for r in results] == ["ca", "cb"] and [r.output for r in results] == ["done a", "done b"]
+
+
+async def test_tool_progress_is_transient_throttled_and_final(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    reporters: list[Any] = []
+
+    @define_agent_tool
+    async def work(ctx: AgentToolContext, n: int) -> str:
+        ctx.report_progress("starting", progress=0, total=n)
+        ctx.report_progress("halfway", progress=n / 2, total=n)  # within the interval: dropped
+        reporters.append(ctx.report_progress)
+        return "ok"
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield {0: DeltaToolCall(name="work", json_args='{"n": 4}', tool_call_id="c1")}
+        else:
+            yield "finished"
+
+    monkeypatch.setattr(loop_module, "PROGRESS_MIN_INTERVAL", 1e9)  # no two reports of one call pass
+    result, delivery, _ = await run_with(store, Script(handler), tools=[work])
+    progress = delivery.of("tool-progress")
+    assert [(e.call_id, e.message, e.progress, e.total) for e in progress] == [("c1", "starting", 0, 4)]
+    reporters[0]("too late")  # after the call's terminal status: dropped
+    assert len(delivery.of("tool-progress")) == 1
+    assert all(p.type != "tool-progress" for p in result.assistant.parts), "progress never enters history"
+    assert transient_sequences(delivery.events, result.run.id) == list(
+        range(1, len(transient_sequences(delivery.events, result.run.id)) + 1)
+    )
+
+
+def flaky_then_fine(failures: int) -> Script:
+    """Calls fail with a 503 after one streamed delta, ``failures`` times; then they answer."""
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i < failures:
+            yield f"attempt {i} partial"
+            raise ModelHTTPError(503, "fault-model", body="overloaded")
+        yield "a clean answer"
+
+    return Script(handler)
+
+
+async def test_a_retried_stream_resets_the_attempt(store: Any) -> None:
+    script = flaky_then_fine(1)
+    policy = AgentRetryPolicy(max_attempts=3, initial_delay=0)
+    result, delivery, operator = await run_with(store, script, loop={"retry": policy})
+    assert result.terminal_reason == "success"
+    assert answer_text(result) == "a clean answer", "the failed attempt's text is discarded"
+    types = [t for t in delivery.types(result.run.id) if t in ("assistant-delta", "attempt-reset")]
+    assert types == ["assistant-delta", "attempt-reset", "assistant-delta"]
+    assert result.usage.steps == 2, "the failed attempt's spend stays in the run's spend"
+    assert [e.attempt for e in operator.of("step-finished")] == [1, 2]
+    sequences = transient_sequences(delivery.events, result.run.id)
+    assert sequences == list(range(1, len(sequences) + 1))
+
+
+async def test_retries_are_bounded(store: Any) -> None:
+    script = flaky_then_fine(5)
+    result, _, _ = await run_with(store, script, loop={"retry": {"max_attempts": 2, "initial_delay": 0}})
+    assert result.terminal_reason == "provider_failure" and len(script.calls) == 2
+
+
+async def test_a_retry_never_replays_a_tool(store: Any) -> None:
+    effects: list[str] = []
+
+    @define_agent_tool
+    async def charge(amount: int) -> str:
+        effects.append(f"charged {amount}")
+        return "charged"
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield {0: DeltaToolCall(name="charge", json_args='{"amount": 5}', tool_call_id="c1")}
+        else:
+            yield "about to confirm"
+            raise ModelHTTPError(503, "fault-model", body="overloaded")
+
+    script = Script(handler)
+    result, delivery, _ = await run_with(
+        store, script, tools=[charge], loop={"retry": {"max_attempts": 5, "initial_delay": 0}}
+    )
+    assert result.terminal_reason == "provider_failure"
+    assert effects == ["charged 5"] and len(script.calls) == 2
+    assert delivery.of("attempt-reset") == []
+
+
+async def test_a_consumer_that_raises_or_stalls_changes_no_outcome(store: Any) -> None:
+    errors: list[BaseException] = []
+
+    async def raising(event: Any) -> None:
+        raise RuntimeError("consumer broke")
+
+    never = asyncio.Event()
+
+    async def stalled(event: Any) -> None:
+        await never.wait()
+
+    raising_sink = create_agent_runtime_event_sink(
+        deliver=raising, capacity=4, on_publish_error=lambda error, event: errors.append(error)
+    )
+    stalled_sink = create_agent_runtime_event_sink(deliver=stalled, capacity=2)
+    operator_sink = create_agent_operator_sink(deliver=raising, capacity=2)
+
+    def both(event: Any) -> None:
+        raising_sink(event)
+        stalled_sink(event)
+
+    runtime = make_runtime(store, Script(), publish=both, operator_publish=operator_sink)
+    results = [await asyncio.wait_for(submit(runtime, f"k{i}", f"q{i}").result, 10) for i in range(3)]
+    assert [r.terminal_reason for r in results] == ["success"] * 3
+    await raising_sink.drain()
+    assert errors, "the publisher's failures were reported, not raised"
+    assert stalled_sink.dropped > 0
+    await runtime.close()
+    await raising_sink.aclose()
+    await stalled_sink.aclose(timeout=0)
+    await operator_sink.aclose(timeout=0)
+
+
+async def test_a_reconnecting_consumer_sees_no_false_gap_and_a_true_one(store: Any) -> None:
+    async def words(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        for w in ("a", "b", "c", "d"):
+            yield w
+
+    _result, delivery, _ = await run_with(store, Script(words))
+    cursor = AgentRuntimeEventCursor()
+    kinds = []
+    for event in delivery.events:
+        cursor, kind = advance_agent_runtime_event_cursor(cursor, event)
+        kinds.append(kind)
+    assert set(kinds) == {"fresh"}
+    deltas = [e for e in delivery.events if e.type == "assistant-delta"]
+    cursor = AgentRuntimeEventCursor()
+    seen = []
+    for event in delivery.events:
+        if event is deltas[1]:
+            continue  # lost in transit
+        cursor, kind = advance_agent_runtime_event_cursor(cursor, event)
+        seen.append(kind)
+    assert seen.count("gap") == 1

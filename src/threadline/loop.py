@@ -19,7 +19,7 @@ import contextlib
 import functools
 import inspect
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 from pydantic_core import to_jsonable_python
 
+from .approvals import AgentApprovalInvalidError, approval_state, sign_tool_call, verify_tool_call
 from .errors import (
     AgentContextOverflowError,
     AgentConversationPurgedError,
@@ -77,6 +78,7 @@ from .history.view import ConversationView
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import (
+    ApprovalRequestPart,
     ControlPart,
     InputJoinedPart,
     Message,
@@ -92,7 +94,16 @@ from .records import (
 )
 from .store.aggregate import AgentRuntimeStore
 from .store.reducer import AbsorbClaim
-from .tools import AgentTool, AgentToolContext, AppError, error_envelope
+from .tools import (
+    AgentTool,
+    AgentToolCall,
+    AgentToolContext,
+    AgentToolLifecycle,
+    AppError,
+    compose_tool_lifecycle,
+    create_agent_tool_fence_lifecycle,
+    error_envelope,
+)
 from .usage import AgentUsage
 
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
@@ -258,6 +269,9 @@ class LoopSettings:
     prepare_step: Callable[[StepContext], Any] | None = None
     model_settings: ModelSettings | None = None
     retry: AgentRetryPolicy | None = None
+    tool_lifecycle: AgentToolLifecycle | None = None
+    tool_approval: Callable[[ToolCallPart], Any] | Collection[str] | None = None
+    tool_approval_secret: str | bytes | None = None
 
 
 @dataclass
@@ -494,6 +508,7 @@ class _Execution:
         self._tools_invoked = False
         self._step_usage: AgentUsage | None = None
         self._finished_calls: set[str] = set()
+        self._lifecycle = compose_tool_lifecycle()
         self._prefix_call_ids: Any = frozenset()
 
     @property
@@ -741,10 +756,15 @@ class _Execution:
         return report
 
     async def _call_tool(self, tools: dict[str, AgentTool], call: ToolCallPart) -> ToolResultPart:
+        """One managed call: lifecycle ``before`` (application hooks, then the fence), the tool, ``after``.
+        A lost fence stops the run (never a model-facing error); any other failure becomes the safe
+        envelope, its real cause going only to ``on_error``."""
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
         )
+        info = AgentToolCall(self.run.conversation_id, self.run.id, call.call_id, call.tool_name, call.input)
         try:
+            await self._lifecycle.before(info)  # type: ignore[misc]
             tool = tools.get(call.tool_name)
             if tool is None:
                 raise AppError("UNKNOWN_TOOL", f"no tool named {call.tool_name!r}", hint=f"use one of {sorted(tools)}")
@@ -758,10 +778,12 @@ class _Execution:
                 report_progress=self._progress_reporter(call),
             )
             output = _json_safe(await tool.call(ctx, args))
-        except (_FenceLost, _Aborted):
+            await self._lifecycle.after(info, output)  # type: ignore[misc]
+        except (_FenceLost, _Aborted, _Failure):
             raise
         except Exception as error:
             self._finished_calls.add(call.call_id)
+            await self._lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
             self._transient(
                 ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
@@ -772,6 +794,67 @@ class _Execution:
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="completed", output=output
         )
         return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="success", output=output)
+
+    async def _needs_approval(self, call: ToolCallPart) -> bool:
+        rule = self.env.settings.tool_approval
+        if rule is None:
+            return False
+        if callable(rule):
+            return bool(await self._callback(rule, call))
+        return call.tool_name in rule
+
+    def _approval_request(self, call: ToolCallPart) -> ApprovalRequestPart:
+        secret = self.env.settings.tool_approval_secret
+        assert secret is not None, "the runtime refuses tool_approval without tool_approval_secret"
+        return ApprovalRequestPart(
+            approval_id=f"apr_{uuid.uuid4().hex}",
+            call_id=call.call_id,
+            tool_name=call.tool_name,
+            input=call.input,
+            signature=sign_tool_call(secret, call.call_id, call.tool_name, call.input),
+        )
+
+    async def _answer_approvals(self, by_name: dict[str, AgentTool]) -> None:
+        """Before the first step: carry out the approval responses this run was queued for. Each is
+        checked against its signed request (call, tool, input, signature); anything that does not match
+        fails the run (``runtime_failure``, the diagnostic stays private) and nothing runs."""
+        mine = [m for m in self.env.view.tail(self.run.id) if m.run_id == self.run.id and m.role == "tool"]
+        responses = [p for m in mine for p in m.parts if p.type == "approval-response"]
+        if not responses:
+            return
+        requests, _ = approval_state([*self.env.view.settled, *self.env.view.tail(self.run.id)])
+        secret = self.env.settings.tool_approval_secret
+        for response in responses:
+            found = requests.get(response.approval_id)
+            request = found[0] if found else None
+            if request is None or secret is None or not verify_tool_call(secret, request):
+                raise _Failure(
+                    "runtime_failure",
+                    AgentApprovalInvalidError(f"approval {response.approval_id!r} has no valid signed request"),
+                )
+            if response.call_id != request.call_id:
+                raise _Failure(
+                    "runtime_failure",
+                    AgentApprovalInvalidError(f"approval {response.approval_id!r} answers another call"),
+                )
+            call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
+            self.parts.append(call)
+            if response.approved:
+                self._tools_invoked = True
+                result = await self._abortable(self._call_tool(by_name, call))
+            else:
+                envelope = {
+                    "error": "APPROVAL_DENIED",
+                    "retryable": False,
+                    "message": response.reason or "the call was not approved",
+                }
+                self._transient(
+                    ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
+                )
+                result = ToolResultPart(
+                    call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope
+                )
+            self.parts.append(result)
 
     def _context_usage(self, model: AgentModelDescriptor) -> AgentContextUsage:
         figure = self._step_usage.input_tokens if self._step_usage is not None else None
@@ -850,6 +933,12 @@ class _Execution:
         instructions = await self._callback(env.instructions, self)
         tools = list(await self._callback(env.tools, self))
         by_name = {t.name: t for t in tools}
+        self._lifecycle = compose_tool_lifecycle(
+            env.settings.tool_lifecycle, create_agent_tool_fence_lifecycle(self.owned.fence)
+        )
+        if self.env.view.version != self.run.version:
+            await with_store_retry(lambda: self.env.view.refresh(self.env.store))
+        await self._answer_approvals(by_name)
         attempt_start: list[Part] = list(self.parts)
         step = 0
         while step < max(1, env.settings.max_steps):
@@ -897,12 +986,16 @@ class _Execution:
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
-            # the fence: ownership is checked before any effect of this step's calls, and their results are
-            # accepted only by the next owned commit, whose CAS verifies owner, token and revision again
-            await self.owned.fence()
-            self._tools_invoked = True
-            results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in calls)))
+            # each call passes the lifecycle (application hooks, then the fence) before its effect; results
+            # are accepted only by the next owned commit, whose CAS verifies owner, token and revision again
+            held = [c for c in calls if await self._needs_approval(c)]
+            direct = [c for c in calls if c not in held]
+            self._tools_invoked = self._tools_invoked or bool(direct)
+            results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
             self.parts.extend(results)
+            if held:  # the run pauses: signed requests are stored on its assistant before any effect
+                self.parts.extend(self._approval_request(c) for c in held)
+                return "provider_stop", None
             # the tool results are checkpointed with the next request's admission, or by the terminal
             ctx.parts = tuple(self.parts)
             for policy in env.settings.stop_policies:

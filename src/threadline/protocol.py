@@ -27,7 +27,7 @@ def _has_output(candidate: TerminalCandidate) -> bool:
     for part in candidate.parts:
         if part.type == "text" and part.text.strip():
             return True
-        if part.type in ("file", "provider"):
+        if part.type in ("file", "provider", "approval-request"):
             return True
     # a named tool-only policy stop is a deliberate answer
     return candidate.terminal_reason == "policy_stop" and any(p.type == "tool-call" for p in candidate.parts)

@@ -12,12 +12,13 @@ import functools
 import inspect
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from .approvals import AgentApprovalError, AgentPendingApproval, approval_state, pending_approvals
 from .coordinator import INPUT_POLICIES, Lane, Waiters, call_maybe_async, quiet
 from .errors import (
     AgentConversationPurgedError,
@@ -52,7 +53,7 @@ from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
 from .store.results import InterruptResult, RecoverResult
-from .tools import AgentTool
+from .tools import AgentTool, AgentToolLifecycle
 from .usage import AgentUsage
 
 C = TypeVar("C")
@@ -87,6 +88,9 @@ class LoopConfig:
     prepare_step: Callable[..., Any] | None = None
     model_settings: Mapping[str, Any] | None = None
     retry: AgentRetryPolicy | Mapping[str, Any] | None = None
+    tool_lifecycle: AgentToolLifecycle | None = None
+    tool_approval: Callable[..., Any] | Collection[str] | None = None
+    tool_approval_secret: str | bytes | None = None
 
 
 @dataclass
@@ -287,10 +291,13 @@ class AgentRuntime:
             stop_policies=tuple(self._stop_policy(p) for p in loop_config.stop_policies),
             prepare_step=loop_config.prepare_step,
             model_settings=dict(loop_config.model_settings) if loop_config.model_settings else None,  # type: ignore[arg-type]
-            retry=_section(AgentRetryPolicy, loop_config.retry, "loop.retry")
-            if loop_config.retry is not None
-            else None,
+            retry=None if loop_config.retry is None else _section(AgentRetryPolicy, loop_config.retry, "loop.retry"),
+            tool_lifecycle=loop_config.tool_lifecycle,
+            tool_approval=loop_config.tool_approval,
+            tool_approval_secret=loop_config.tool_approval_secret,
         )
+        if loop_config.tool_approval is not None and not loop_config.tool_approval_secret:
+            raise AgentRuntimeUsageError("loop.tool_approval needs loop.tool_approval_secret to sign requests")
         if self.loop_settings.checkpoint_every_events < 1 or self.loop_settings.max_steps < 1:
             raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
         history_config = _section(HistoryConfig, history, "history")
@@ -416,6 +423,20 @@ class AgentRuntime:
         )
         return ticket
 
+    def _submit_input(
+        self, *, conversation_id: str, idempotency_key: str, context: Any, parts: Sequence[Any], role: str, policy: str
+    ) -> AgentRuntimeTicket:
+        loop = asyncio.get_running_loop()
+        ticket = AgentRuntimeTicket(
+            admission=quiet(loop.create_future()),
+            accepted=quiet(loop.create_future()),
+            result=quiet(loop.create_future()),
+        )
+        ticket.task = loop.create_task(
+            self._admit(ticket, conversation_id, idempotency_key, context, parts, None, {}, role=role, policy=policy)
+        )
+        return ticket
+
     async def _admit(
         self,
         ticket: AgentRuntimeTicket,
@@ -425,6 +446,9 @@ class AgentRuntime:
         parts: Sequence[Any],
         input_metadata: Any,
         record_ids: Mapping[str, str],
+        *,
+        role: str = "user",
+        policy: str | None = None,
     ) -> None:
         try:
             if self.closing:
@@ -441,7 +465,8 @@ class AgentRuntime:
                 parts=tuple(parts),
                 input_metadata=input_metadata,
             )
-            policy = self.runs.input_policy(raw) if callable(self.runs.input_policy) else self.runs.input_policy
+            if policy is None:
+                policy = self.runs.input_policy(raw) if callable(self.runs.input_policy) else self.runs.input_policy
             if policy not in INPUT_POLICIES:
                 raise AgentRuntimeUsageError(f"input_policy returned {policy!r}; expected one of {INPUT_POLICIES}")
             if self._preflight is not None:
@@ -456,7 +481,7 @@ class AgentRuntime:
                 idempotency_key=idempotency_key,
                 input={
                     "id": record_ids.get("input_message_id") or f"msg_{uuid.uuid4().hex}",
-                    "role": "user",
+                    "role": role,
                     "parts": canonical_parts,
                     "metadata": metadata_json,
                 },
@@ -718,6 +743,61 @@ class AgentRuntime:
             return False
         lane.control.abort(reasons[reason])
         return True
+
+    async def pending_approvals(self, conversation_id: str) -> list[AgentPendingApproval]:
+        """Approval requests nobody answered yet, derived from the stored history (also after a restart)."""
+        snapshot = await self.store.load_snapshot(conversation_id=conversation_id)
+        return pending_approvals(snapshot.messages)
+
+    async def respond_to_approval(
+        self,
+        *,
+        conversation_id: str,
+        approval_id: str,
+        approved: bool,
+        context: Any,
+        reason: str | None = None,
+    ) -> AgentRuntimeTicket:
+        """Answer one pending approval: writes one ``tool`` message with the response and queues a
+        successor run, which verifies the signed request and then runs the tool behind its fence (or
+        records the denial) before the model continues. Unknown, already answered or mismatched
+        approvals raise :class:`AgentApprovalError` and nothing is written."""
+        snapshot = await self.store.load_snapshot(conversation_id=conversation_id)
+        requests, responses = approval_state(snapshot.messages)
+        found = requests.get(approval_id)
+        if found is None:
+            raise AgentApprovalError(
+                f"no approval {approval_id!r} in {conversation_id!r}", reason="unknown", approval_id=approval_id
+            )
+        if approval_id in responses:
+            raise AgentApprovalError(
+                f"approval {approval_id!r} was already answered", reason="duplicate", approval_id=approval_id
+            )
+        request, message = found
+        if message.run_id is not None and any(
+            r.id == message.run_id and r.terminal_reason != "provider_stop" for r in snapshot.runs
+        ):
+            raise AgentApprovalError(
+                f"approval {approval_id!r} belongs to a run that did not pause for it",
+                reason="mismatch",
+                approval_id=approval_id,
+            )
+        part = {
+            "type": "approval-response",
+            "approval_id": approval_id,
+            "call_id": request.call_id,
+            "approved": approved,
+        }
+        if reason:
+            part["reason"] = reason
+        return self._submit_input(
+            conversation_id=conversation_id,
+            idempotency_key=f"approval:{approval_id}",
+            context=context,
+            parts=[part],
+            role="tool",
+            policy="queue",
+        )
 
     async def abandon(
         self, *, conversation_id: str, run_id: str, expected_revision: int, stale_owner: bool = False

@@ -12,12 +12,15 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_ai.tools import ToolDefinition
 
 from .errors import AgentRuntimeUsageError, ThreadlineError
+
+if TYPE_CHECKING:
+    from .durability import AgentStepDurability, StepBody, StepReconcile
 
 INTERNAL_SERVER_ERROR = "INTERNAL_SERVER_ERROR"
 INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
@@ -63,6 +66,26 @@ class AgentToolContext:
     """``report_progress(message=None, progress=None, total=None)``: a transient ``tool-progress`` event
     for this call (never model input, never durable history). Reports closer than 250 ms are dropped."""
     extra: dict[str, Any] = field(default_factory=dict)
+    _durability: AgentStepDurability | None = field(default=None, repr=False)
+    """The runtime's step ledger (``threadline.durability``); ``None`` runs steps without recording them."""
+
+    async def step(self, name: str, body: StepBody, *, reconcile: StepReconcile | None = None) -> Any:
+        """Run an external effect as a durable step and return its lossless-JSON value (a detached copy).
+
+        ``body`` is a zero-argument callable (``async def`` or plain). With a step ledger the effect is
+        keyed by ``(conversation_id, run_id, name)``: an intent is committed before ``body`` runs and the
+        proof after; a later call with the same key returns the proof without running ``body``, or —
+        when only the intent exists — asks ``reconcile(record)`` and otherwise raises
+        :class:`~threadline.durability.AgentStepUncertainError`. A value that is not lossless JSON raises
+        :class:`~threadline.durability.AgentStepValueError` *after* ``body`` ran: the effect happened.
+        Without a ledger the body runs every time and nothing is recorded (the value rules still hold).
+        See :mod:`threadline.durability`.
+        """
+        from .durability import run_agent_step  # durability imports this module
+
+        return await run_agent_step(
+            self._durability, self.conversation_id, self.run_id, name, body, reconcile=reconcile
+        )
 
 
 @dataclass(frozen=True)
@@ -146,3 +169,75 @@ def define_agent_tool(
         return AgentTool(tool_name, doc, model, handler, takes_context)
 
     return build(fn) if fn is not None else build
+
+
+# ------------------------------------------------------------------------------------------ lifecycle
+
+
+@dataclass(frozen=True)
+class AgentToolCall:
+    """One call as lifecycle hooks see it."""
+
+    conversation_id: str
+    run_id: str
+    call_id: str
+    tool_name: str
+    input: Any
+
+
+@dataclass(frozen=True)
+class AgentToolLifecycle:
+    """Hooks around every managed tool call.
+
+    ``before(call)`` runs before the tool's effect (authorization, the fence); raising :class:`AppError`
+    refuses the call with that envelope. ``after(call, output)`` runs before the result is accepted.
+    ``on_error(call, error)`` sees the real cause of a failed call (the model only ever sees the safe
+    envelope). Each hook may be sync or async.
+    """
+
+    before: Callable[[AgentToolCall], Any] | None = None
+    after: Callable[[AgentToolCall, Any], Any] | None = None
+    on_error: Callable[[AgentToolCall, BaseException], Any] | None = None
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def compose_tool_lifecycle(*lifecycles: AgentToolLifecycle | None) -> AgentToolLifecycle:
+    """One lifecycle from several: ``before`` hooks run in order, ``after`` hooks in reverse (the first
+    lifecycle wraps the others), every ``on_error`` hook is told. Compose application hooks with the
+    fence as ``compose_tool_lifecycle(app_hooks, fence)`` so authorization runs before the fence check."""
+    parts = [lc for lc in lifecycles if lc is not None]
+
+    async def before(call: AgentToolCall) -> None:
+        for lc in parts:
+            if lc.before is not None:
+                await _maybe(lc.before(call))
+
+    async def after(call: AgentToolCall, output: Any) -> None:
+        for lc in reversed(parts):
+            if lc.after is not None:
+                await _maybe(lc.after(call, output))
+
+    async def on_error(call: AgentToolCall, error: BaseException) -> None:
+        for lc in parts:
+            if lc.on_error is not None:
+                try:
+                    await _maybe(lc.on_error(call, error))
+                except Exception:
+                    continue
+
+    return AgentToolLifecycle(before=before, after=after, on_error=on_error)
+
+
+def create_agent_tool_fence_lifecycle(check: Callable[[], Any]) -> AgentToolLifecycle:
+    """The fence as a lifecycle: ``check()`` verifies that this process still owns the run (owner,
+    fencing token, still running) before the tool's effect. Losing the fence raises an internal control
+    signal that stops the run's loop; it is never shown to the model as a tool error. The result is
+    accepted only by the run's next owned commit, whose compare-and-swap checks ownership again."""
+
+    async def before(call: AgentToolCall) -> None:
+        await _maybe(check())
+
+    return AgentToolLifecycle(before=before)

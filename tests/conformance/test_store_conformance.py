@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from threadline.errors import ThreadlineError
 from threadline.store import (
     AgentRuntimeStore,
     MemoryStoreDriver,
@@ -140,8 +141,8 @@ class RunUpdateDroppingDriver(MemoryStoreDriver):
         super().__init__()
         self._known: set[tuple[str, str]] = set()
 
-    async def run(self, operation: Operation[Any], *, access: Access, stats: OperationStats) -> Any:
-        return await super().run(_drop_run_updates(operation, self._known), access=access, stats=stats)
+    async def run(self, operation: Callable[[], Operation[Any]], *, access: Access, stats: OperationStats) -> Any:
+        return await super().run(lambda: _drop_run_updates(operation(), self._known), access=access, stats=stats)
 
 
 @asynccontextmanager
@@ -162,6 +163,9 @@ async def test_a_driver_that_drops_run_updates_fails() -> None:
     must_catch = ("coalesced_admission", "stale_checkpoint", "terminal_race", "interrupt_then_terminal", "absorption")
     for name in must_catch:
         assert name in report.failed, f"{name} should catch a driver that drops run updates"
+        failure = next(f for f in report.failures if f.name == name)
+        # a contract violation or a typed store error, never a wiring error such as a TypeError
+        assert isinstance(failure.error, AssertionError | ThreadlineError), f"{name}: wrong failure {failure}"
         assert f"FAILED {name}:" in str(caught.value)
     assert set(report.passed) | set(report.failed) == set(CONFORMANCE_CASES)
     assert all(f.traceback and f.name in str(caught.value) for f in report.failures)

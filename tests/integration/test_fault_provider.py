@@ -23,6 +23,7 @@ from pydantic_ai.models import ModelRequestParameters
 from threadline import (
     AgentRuntime,
     AgentRuntimeResult,
+    AgentRuntimeUsageError,
     compose_agent_prompt,
     create_agent_runtime,
     create_memory_agent_runtime_store,
@@ -124,13 +125,18 @@ async def test_streamed_text_succeeds_with_the_exact_text_and_reported_usage(
     store: Any, server: FaultProviderServer
 ) -> None:
     server.script([stream_text(["Hel", "lo, ", "world."], usage=(12, 3))])
-    result = await run_one(store, server.model())
+    operator_events: list[Any] = []
+    result = await run_one(store, server.model(), operator_publish=operator_events.append)
     assert (result.terminal_reason, result.run.state, result.assistant.status) == ("success", "completed", "completed")
     assert answer_text(result) == "Hello, world."
-    # the provider reported 12 in / 3 out; the run's total adds exactly that one reported step up
+    # the step reports exactly what the provider said, labelled as such
+    (step,) = [e for e in operator_events if e.type == "step-finished"]
+    assert (step.usage.input_tokens.value, step.usage.output_tokens.value) == (12, 3)
+    assert step.usage.input_tokens.provenance == step.usage.output_tokens.provenance == "provider-reported"
+    assert (step.finish_reason, step.response.id) == ("stop", "chatcmpl-fault-0")
+    # the run's total adds that one reported step up (a total is 'computed', never 'estimated')
     assert (result.usage.input_tokens.value, result.usage.output_tokens.value) == (12, 3)
-    assert result.usage.input_tokens.provenance in ("provider-reported", "computed")
-    assert result.usage.output_tokens.provenance in ("provider-reported", "computed")
+    assert result.usage.input_tokens.provenance == result.usage.output_tokens.provenance == "computed"
     assert result.usage.complete and result.usage.steps == 1
     assert len(server.requests) == 1
     sent = server.requests[0]
@@ -288,19 +294,15 @@ async def test_finish_reason_length_is_a_provider_stop(store: Any, server: Fault
     assert answer_text(result) == "The answer is cut"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "loop bug: a failed provider attempt adds nothing to the run's usage (steps=0, complete=True) although "
-        "usage.py says a failed attempt stays in the spend and a step that reported nothing makes the total "
-        "incomplete"
-    ),
-)
-async def test_a_failed_attempt_counts_as_an_unreported_step(store: Any, server: FaultProviderServer) -> None:
-    server.script([server_error(500)])
+@pytest.mark.parametrize("fault", [server_error(500), drop_after(1, ["Half "])], ids=["500", "dropped"])
+async def test_a_failed_attempt_stays_in_the_spend_as_an_unreported_step(
+    store: Any, server: FaultProviderServer, fault: Any
+) -> None:
+    server.script([fault])
     result = await run_one(store, server.model())
     assert result.terminal_reason == "provider_failure"
     assert result.usage.steps == 1 and not result.usage.complete
+    assert result.usage.input_tokens.provenance == "unavailable"
 
 
 async def test_an_exhausted_script_answers_500_with_a_clear_message(store: Any, server: FaultProviderServer) -> None:
@@ -372,6 +374,23 @@ async def test_a_recorded_provider_failure_replays_as_a_provider_failure(store: 
         ) as stream:
             async for _ in stream:
                 pass
+
+
+async def test_a_hand_written_recording_replays_tool_calls_and_text(store: Any) -> None:
+    replay = create_replay_agent_provider(
+        [
+            [{"type": "tool-call", "call_id": "call_r", "tool_name": "weather", "args": '{"city": "Rome"}'}],
+            ["Sunny ", "in Rome.", {"type": "usage", "input_tokens": 7, "output_tokens": 2}],
+        ]
+    )
+    result = await run_one(store, replay, tools=[weather])
+    assert result.terminal_reason == "success"
+    assert [p["type"] for p in dumped_parts(result)] == ["tool-call", "tool-result", "text"]
+    assert result.assistant.parts[1].output == "sunny in Rome"
+    assert answer_text(result) == "Sunny in Rome."
+    assert (result.usage.input_tokens.value, result.usage.steps, result.usage.complete) == (7, 2, False)
+    with pytest.raises(AgentRuntimeUsageError):
+        create_replay_agent_provider([[{"type": "nonsense"}]])
 
 
 # ------------------------------------------------------------------------------------------ the server itself

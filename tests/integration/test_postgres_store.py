@@ -291,6 +291,7 @@ async def test_a_pool_passed_in_stays_open(postgres_dsn: str, schema: str) -> No
             assert pg.driver.pool is pool
         assert not pool.closed
         async with pool.connection() as conn:
+            assert conn.autocommit is False  # the store borrowed it in autocommit mode and restored it
             cur = await conn.execute(f'SELECT count(*) FROM "{schema}".threadline_runs')
             assert await cur.fetchone() == (1,)
 
@@ -325,6 +326,30 @@ async def test_close_waits_for_operations_in_flight(postgres_dsn: str, schema: s
     await pg.close()
     results = await asyncio.gather(*tasks)
     assert sorted(r.version for r in results) == list(range(1, 11))
+
+
+async def test_cancelled_callers_leave_whole_operations_and_a_usable_store(postgres_dsn: str, schema: str) -> None:
+    async with handle_for(postgres_dsn, schema, max_size=3) as pg:
+        store = pg.store
+        for round_ in range(10):
+            tasks = [asyncio.create_task(admit(store, "c", f"r{round_}-{i}")) for i in range(6)]
+            for _ in range(round_):
+                await asyncio.sleep(0)  # cancel at a different point of the transactions each round
+            await asyncio.sleep(0.0008 * round_)
+            for task in tasks[::2]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        snapshot = await store.load_snapshot(conversation_id="c")
+        # every admission is whole or absent: its input message, its run and its receipt together
+        runs = {r.id for r in snapshot.runs}
+        inputs = {m.id for m in snapshot.messages}
+        assert {i.removesuffix(":in") for i in inputs} == {r.removesuffix(":run") for r in runs}
+        assert snapshot.version == len(runs)
+        for run_id in runs:
+            n = run_id.removesuffix(":run")
+            dup = await admit(store, "c", n)
+            assert dup.outcome == "duplicate"
+        assert (await admit(store, "c", "after")).outcome == "accepted"
 
 
 # ------------------------------------------------------------------------------------------ concurrency
@@ -373,38 +398,32 @@ async def test_concurrent_writers_from_two_pools_lose_no_update(postgres_dsn: st
 # --------------------------------------------------------------------------------------------- retries
 
 
-async def test_serialization_failure_in_a_statement_is_retried_with_a_factory(postgres_dsn: str, schema: str) -> None:
+async def test_serialization_failure_after_reads_is_retried_through_the_store(postgres_dsn: str, schema: str) -> None:
     async with handle_for(postgres_dsn, schema) as pg:
         await admit(pg.store, "c", "a")
         injected = []
 
         async def fail_once(rows: Any, request: Any) -> Any:
-            if not injected:
+            if not injected:  # the operation has read the head: only a fresh generator can start again
                 injected.append(request)
                 await raise_sqlstate(rows, "40001")
             return await rows.load_receipt(request)
 
         pg.driver.rows_wrapper = lambda rows: Rows(rows, {"load_receipt": fail_once})
-        stats = OperationStats()
-        factory = partial(
-            reducer.accept_input_and_assign_run,
-            conversation_id="c",
-            idempotency_key="key-b",
-            input=_draft("b"),
-            run_id="b:run",
-            assistant_message_id="b:out",
-            now=Clock()(),
-        )
-        result = await pg.driver.run(factory, access="write", stats=stats)
+        seen: list[Any] = []
+        pg.store.observe(seen.append)
+        result = await admit(pg.store, "c", "b")
         pg.driver.rows_wrapper = None
         assert result.outcome == "accepted" and result.version == 2
         assert pg.driver.retries == 1 and len(injected) == 1
-        assert len(stats.writes) == 1 and stats.by_request["LoadHead"] == 1  # only the attempt that committed
+        metrics = pg.store.metrics["accept_input_and_assign_run"]
+        assert metrics.by_request["LoadHead"] == 2  # one per call: the failed attempt is not counted
+        assert len(seen) == 1  # observers hear the committed write once
         active = await pg.store.list_active_runs(conversation_id="c")
         assert [r.id for r in active.runs] == ["a:run", "b:run"]
 
 
-async def test_serialization_failure_at_commit_is_retried_with_a_factory(postgres_dsn: str, schema: str) -> None:
+async def test_serialization_failure_at_commit_is_retried_through_the_store(postgres_dsn: str, schema: str) -> None:
     fault = f"{schema}_fault"
     await sql(postgres_dsn, f'CREATE SCHEMA "{fault}"')
     try:
@@ -430,14 +449,9 @@ async def test_serialization_failure_at_commit_is_retried_with_a_factory(postgre
                 return None
 
             pg.driver.rows_wrapper = lambda rows: Rows(rows, {"write": write_then_fail_at_commit})
-            factory = partial(
-                reducer.seed_conversation_input,
-                conversation_id="c",
-                seed_key="s",
-                inputs=[_draft("s1", role="system")],
-                now=Clock()(),
+            result = await pg.store.seed_conversation_input(
+                conversation_id="c", seed_key="s", inputs=[{"id": "s1", "role": "system", "parts": text("hi")}]
             )
-            result = await pg.driver.run(factory, access="write", stats=OperationStats())
             pg.driver.rows_wrapper = None
             assert result.outcome == "seeded" and result.version == 1
             assert len(attempts) == 2 and pg.driver.retries == 1
@@ -447,7 +461,24 @@ async def test_serialization_failure_at_commit_is_retried_with_a_factory(postgre
         await sql(postgres_dsn, f'DROP SCHEMA IF EXISTS "{fault}" CASCADE')
 
 
-async def test_deadlock_before_the_first_answer_is_retried_with_a_generator(postgres_dsn: str, schema: str) -> None:
+async def test_a_transaction_that_always_loses_is_busy_and_writes_nothing(postgres_dsn: str, schema: str) -> None:
+    async with handle_for(postgres_dsn, schema) as pg:
+        calls = []
+
+        async def always(rows: Any, request: Any) -> Any:
+            calls.append(request)
+            await raise_sqlstate(rows, "40P01")
+
+        pg.driver.rows_wrapper = lambda rows: Rows(rows, {"load_receipt": always})
+        pg.driver.max_attempts = 3
+        with pytest.raises(AgentStoreBusyError, match="3 time"):
+            await admit(pg.store, "c", "a")
+        pg.driver.rows_wrapper = None
+        assert len(calls) == 3
+        assert (await pg.store.list_active_runs(conversation_id="c")).version == 0
+
+
+async def test_a_bare_generator_is_retried_only_before_its_first_answer(postgres_dsn: str, schema: str) -> None:
     async with handle_for(postgres_dsn, schema) as pg:
         injected = []
 
@@ -458,40 +489,29 @@ async def test_deadlock_before_the_first_answer_is_retried_with_a_generator(post
             return await rows.load_head(request)
 
         pg.driver.rows_wrapper = lambda rows: Rows(rows, {"load_head": deadlock_once})
-        result = await admit(pg.store, "c", "a")  # the aggregate hands the driver a generator
-        pg.driver.rows_wrapper = None
+        result = await pg.driver.run(_accept_operation("a"), access="write", stats=OperationStats())
         assert result.outcome == "accepted" and pg.driver.retries == 1
-
-
-async def test_conflict_after_an_answer_without_a_factory_is_busy_and_writes_nothing(
-    postgres_dsn: str, schema: str
-) -> None:
-    async with handle_for(postgres_dsn, schema) as pg:
 
         async def always(rows: Any, request: Any) -> Any:
             await raise_sqlstate(rows, "40001")
 
         pg.driver.rows_wrapper = lambda rows: Rows(rows, {"load_receipt": always})
-        with pytest.raises(AgentStoreBusyError):
-            await admit(pg.store, "c", "a")
+        with pytest.raises(AgentStoreBusyError, match="1 time"):  # it had read the head: not rewindable
+            await pg.driver.run(_accept_operation("b"), access="write", stats=OperationStats())
         pg.driver.rows_wrapper = None
-        assert (await pg.store.list_active_runs(conversation_id="c")).version == 0
-        # a factory that always loses gives up after max_attempts, also with a typed error
-        pg.driver.rows_wrapper = lambda rows: Rows(rows, {"load_receipt": always})
-        pg.driver.max_attempts = 3
-        factory = partial(
-            reducer.accept_input_and_assign_run,
-            conversation_id="c",
-            idempotency_key="k",
-            input=_draft("x"),
-            run_id="x:run",
-            assistant_message_id="x:out",
-            now=Clock()(),
-        )
-        with pytest.raises(AgentStoreBusyError, match="3 time"):
-            await pg.driver.run(factory, access="write", stats=OperationStats())
-        pg.driver.rows_wrapper = None
-        assert (await pg.store.list_active_runs(conversation_id="c")).version == 0
+        assert pg.driver.retries == 1
+        assert (await pg.store.list_active_runs(conversation_id="c")).version == 1
+
+
+def _accept_operation(n: str) -> Any:
+    return reducer.accept_input_and_assign_run(
+        conversation_id="c",
+        idempotency_key=f"key-{n}",
+        input=_draft(n),
+        run_id=f"{n}:run",
+        assistant_message_id=f"{n}:out",
+        now=Clock()(),
+    )
 
 
 def _draft(n: str, role: str = "user") -> Any:

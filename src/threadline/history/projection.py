@@ -16,6 +16,7 @@ What is never sent to a model as a message:
   a provider other than ``options.provider_name``;
 - a file reference itself: only what ``resolve_file`` returns, or a ``[file: name]`` placeholder;
 - tool calls nobody answered, results without a call, and repeated call ids;
+- a tool call awaiting approval (the run that carries the approval records it again with its result);
 - ``tool`` role messages (approval responses; not projected yet).
 
 Every message gets one :class:`AgentProjectionDecision` saying what happened to it and why.
@@ -341,8 +342,14 @@ class _Projector:
         steps = [_Step()]
         omitted: list[str] = []
         problems: list[str] = []
+        # a call that asked for approval is suspended, not dangling: it is not sent here; the run that
+        # carries the approval response records the call again with its result (or the denial)
+        answered = {p.call_id for p in m.parts if p.type == "tool-result"}
+        awaiting = {p.call_id for p in m.parts if p.type == "approval-request"} - answered
         for part in m.parts:
             step = steps[-1]
+            if part.type == "tool-call" and part.call_id in awaiting:
+                continue
             if part.type in ("text", "reasoning", "tool-call") and step.closed:
                 steps.append(step := _Step())
             if part.type == "text":

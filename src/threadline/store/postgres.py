@@ -15,12 +15,13 @@ single prepared statements (``prepare_threshold``). A write of ``n`` reads costs
 
 Serialization failures (``40001``) and deadlocks (``40P01``) are retried inside the driver wherever the
 server reports them (a statement or ``COMMIT``), by running the operation again from the start on a fresh
-transaction. That needs a fresh generator: :meth:`PostgresStoreDriver.run` accepts a zero-argument
-factory of the operation and retries it up to ``max_attempts`` times. Handed a generator that has
-already received an answer, the driver cannot rewind it and raises
-:class:`~threadline.errors.AgentStoreBusyError` (nothing was written; the call may be retried). A
-connection found dead before the operation read anything (a pooled connection the server dropped while
-idle) is replaced once, transparently.
+transaction: the store hands :meth:`PostgresStoreDriver.run` a zero-argument factory of the operation
+(the :class:`~threadline.store.driver.StoreDriver` protocol), and the driver calls it again for each of
+up to ``max_attempts`` attempts; only the attempt that commits counts in ``stats``. When every attempt
+loses, the error is :class:`~threadline.errors.AgentStoreBusyError` (nothing was written; the call may be
+retried). A bare generator is accepted too, but can be run again only if it failed before receiving its
+first answer. A connection found dead before the operation read anything (a pooled connection the server
+dropped while idle) is replaced once, transparently.
 
 The schema lives in objects named ``threadline_*`` inside one configurable schema (``threadline`` by
 default), with a ``threadline_meta`` row holding the layout version. Forward-only migrations run in one
@@ -460,7 +461,7 @@ class _PostgresRows:
     def _bind(self, statement: str, params: Sequence[object] | dict[str, object]) -> str:
         return self._binder.mogrify(statement, params)
 
-    async def _lock(self, conversation_id: str) -> None:
+    def _lock(self, conversation_id: str) -> None:
         if self.writable and conversation_id not in self.locked:
             self.locked.add(conversation_id)
             self.pending.append(self._bind(self.q.lock, (self.q.lock_prefix + conversation_id,)))
@@ -541,7 +542,7 @@ class _PostgresRows:
 
     async def load_head(self, r: LoadHead) -> HeadState:
         cid = r.conversation_id
-        await self._lock(cid)
+        self._lock(cid)
         await self._execute(self.q.head, {"c": cid})
         row = await self.cur.fetchone()
         if row is None:  # pragma: no cover - a scalar SELECT always answers one row
@@ -553,7 +554,7 @@ class _PostgresRows:
         cid = r.conversation_id
         if not r.run_ids:
             return []
-        await self._lock(cid)
+        self._lock(cid)
         ids = list(dict.fromkeys(r.run_ids))
         if len(ids) == 1:
             rows = await self._fetch(self.q.run, (cid, ids[0]))
@@ -563,20 +564,20 @@ class _PostgresRows:
         return [found[i] for i in r.run_ids if i in found]
 
     async def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         return self._runs(r.conversation_id, await self._fetch(self.q.active_runs, (r.conversation_id,)))
 
     async def load_all_runs(self, r: LoadAllRuns) -> list[Run]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         return self._runs(r.conversation_id, await self._fetch(self.q.all_runs, (r.conversation_id,)))
 
     async def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         rows = await self._fetch(self.q.receipt, (r.conversation_id, r.idempotency_key))
         return self._receipt(r.conversation_id, rows)
 
     async def load_receipt_by_input(self, r: LoadReceiptByInput) -> AdmissionReceipt | None:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         rows = await self._fetch(self.q.receipt_by_input, (r.conversation_id, r.input_message_id))
         return self._receipt(r.conversation_id, rows)
 
@@ -585,7 +586,7 @@ class _PostgresRows:
         ids = list(dict.fromkeys(r.message_ids))
         if not ids:
             return []
-        await self._lock(cid)
+        self._lock(cid)
         if len(ids) == 1:
             rows = await self._fetch(self.q.message, (cid, ids[0]))
         else:
@@ -594,12 +595,12 @@ class _PostgresRows:
         return [found[i] for i in ids if i in found]
 
     async def load_settled_range(self, r: LoadSettledRange) -> list[Message]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         rows = await self._fetch(self.q.settled_range, (r.conversation_id, _clamp(r.lo), _clamp(r.hi)))
         return self._messages(r.conversation_id, rows)
 
     async def load_seed(self, r: LoadSeed) -> SeedRecord | None:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         rows = await self._fetch(self.q.seed, (r.conversation_id, r.seed_key))
         if not rows:
             return None
@@ -613,26 +614,26 @@ class _PostgresRows:
         return seed
 
     async def load_history(self, r: LoadHistory) -> list[Message]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         return self._messages(r.conversation_id, await self._fetch(self.q.history, (r.conversation_id,)))
 
     async def load_messages_since(self, r: LoadMessagesSince) -> list[Message]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         statement = self.q.messages_since if r.include_inactive else self.q.active_messages_since
         rows = await self._fetch(statement, (r.conversation_id, _clamp(r.version)))
         return self._messages(r.conversation_id, rows)
 
     async def load_runs_since(self, r: LoadRunsSince) -> list[Run]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         rows = await self._fetch(self.q.runs_since, (r.conversation_id, _clamp(r.version)))
         return self._runs(r.conversation_id, rows)
 
     async def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         return self._messages(r.conversation_id, await self._fetch(self.q.unsettled, (r.conversation_id,)))
 
     async def page_settled(self, r: PageSettled) -> list[Message]:
-        await self._lock(r.conversation_id)
+        self._lock(r.conversation_id)
         params: list[object] = [r.conversation_id]
         if r.cursor is None:
             statement = self.q.page(r.include_inactive, r.direction, 0, "")
@@ -672,7 +673,7 @@ class _PostgresRows:
         if m.head is None:
             raise AssertionError("every mutation writes the conversation head")
         cid = m.head.conversation_id
-        await self._lock(cid)
+        self._lock(cid)
         self.written.append(cid)
         q, bind, encode, pending = self.q, self._bind, self._encode, self.pending
         # one statement per row, so a row written twice in one mutation keeps its last version, as in memory
@@ -701,7 +702,7 @@ class _PostgresRows:
         if not self.writable:
             raise AssertionError("a read operation purged")
         cid = r.conversation_id
-        await self._lock(cid)
+        self._lock(cid)
         self.written.append(cid)
         self.pending.extend(self._bind(statement, (cid,)) for statement in self.q.purge)
 
@@ -749,8 +750,9 @@ def _describe(conninfo: str) -> str:
 class PostgresStoreDriver:
     """A :class:`~threadline.store.driver.StoreDriver` over a psycopg async connection pool.
 
-    ``run`` accepts the operation as a generator or as a zero-argument factory of it; only a factory lets
-    the driver retry a serialization failure or deadlock reported after the operation read something.
+    ``run`` takes a zero-argument factory of the operation (the protocol) and retries serialization
+    failures and deadlocks by calling it again; a bare generator is accepted, but is retried only when it
+    failed before receiving its first answer. ``retries`` counts transactions run again.
     """
 
     def __init__(

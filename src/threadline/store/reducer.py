@@ -283,8 +283,10 @@ def accept_input_and_assign_run(
 ) -> Operation[AcceptResult]:
     """Commit the input, its admission receipt and its queued run — or coalesce the input into the single
     queued ordinary successor — in one transaction. A repeated key returns the original receipt."""
-    if input.role != "user":
-        raise AgentRecordValidationError("an admitted input has role 'user'", field="input.role")
+    if input.role not in ("user", "tool"):
+        raise AgentRecordValidationError(
+            "an admitted input has role 'user' (or 'tool' for an approval response)", field="input.role"
+        )
     state: HeadState = yield LoadHead(conversation_id)
     _not_purged(state, conversation_id)
     receipt: AdmissionReceipt | None = yield LoadReceipt(conversation_id, idempotency_key)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..errors import AgentRuntimeUsageError
+
 if TYPE_CHECKING:
     from pydantic_ai.models.openai import OpenAIChatModel
 
@@ -62,6 +64,7 @@ LOOPBACK = "127.0.0.1"
 CREATED = 1_700_000_000  # a fixed `created` stamp: responses are byte-for-byte reproducible
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 32 * 1024 * 1024
+MALFORMED_VARIANTS = ("invalid-json", "wrong-shape", "error-event")
 
 UsageSpec = tuple[int, int] | Mapping[str, Any] | None
 """Usage as ``(prompt_tokens, completion_tokens)`` or an OpenAI ``usage`` object sent verbatim."""
@@ -177,7 +180,7 @@ def rate_limited(retry_after: float = 1) -> RateLimited:
 def server_error(status: int = 500, message: str = "the fault provider failed on purpose") -> ServerError:
     """Fail with HTTP ``status`` (5xx by default) and an OpenAI error body."""
     if not 400 <= status <= 599:
-        raise ValueError(f"server_error status is an HTTP error status (400-599), got {status}")
+        raise AgentRuntimeUsageError(f"server_error status is an HTTP error status (400-599), got {status}")
     return ServerError(status, message)
 
 
@@ -191,8 +194,10 @@ def malformed(
     chunks: str | Iterable[str] = (),
 ) -> Malformed:
     """Stream ``chunks``, then one SSE event that is not a valid Chat Completions chunk."""
-    if variant not in ("invalid-json", "wrong-shape", "error-event"):
-        raise ValueError(f"malformed variant is 'invalid-json', 'wrong-shape' or 'error-event', got {variant!r}")
+    if variant not in MALFORMED_VARIANTS:
+        raise AgentRuntimeUsageError(
+            f"malformed variant is 'invalid-json', 'wrong-shape' or 'error-event', got {variant!r}"
+        )
     return Malformed(variant, _chunks(chunks))
 
 
@@ -200,10 +205,10 @@ def drop_after(n_chunks: int, chunks: str | Iterable[str] | None = None) -> Drop
     """Stream ``n_chunks`` content deltas (``chunks`` or ``'part0 '``, ``'part1 '``, ...), then drop the
     TCP connection mid-stream."""
     if n_chunks < 0:
-        raise ValueError("drop_after needs n_chunks >= 0")
+        raise AgentRuntimeUsageError("drop_after needs n_chunks >= 0")
     sent = _chunks(chunks) if chunks is not None else tuple(f"part{i} " for i in range(n_chunks))
     if len(sent) < n_chunks:
-        raise ValueError(f"drop_after({n_chunks}) needs at least {n_chunks} chunks, got {len(sent)}")
+        raise AgentRuntimeUsageError(f"drop_after({n_chunks}) needs at least {n_chunks} chunks, got {len(sent)}")
     return DropAfter(n_chunks, sent[:n_chunks])
 
 
@@ -345,7 +350,9 @@ class FaultProviderServer:
         queued = list(behaviours)
         for b in queued:
             if not isinstance(b, FaultBehaviour):
-                raise TypeError(f"script() takes fault behaviours (stream_text(...), hang(), ...), got {b!r}")
+                raise AgentRuntimeUsageError(
+                    f"script() takes fault behaviours (stream_text(...), hang(), ...), got {b!r}"
+                )
         self._script.extend(queued)
         return self
 

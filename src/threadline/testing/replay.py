@@ -65,7 +65,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
-from ..errors import ThreadlineError
+from ..errors import AgentRuntimeUsageError, ThreadlineError
 
 __all__ = (
     "AgentReplayExhaustedError",
@@ -103,15 +103,17 @@ def _validate_recording(recording: Iterable[Iterable[Any]]) -> list[list[dict[st
     turns: list[list[dict[str, Any]]] = []
     for t, turn in enumerate(recording):
         if isinstance(turn, str | bytes | Mapping):
-            raise ValueError(f"recording[{t}] is a list of stream items, got {type(turn).__name__}")
+            raise AgentRuntimeUsageError(f"recording[{t}] is a list of stream items, got {type(turn).__name__}")
         items: list[dict[str, Any]] = []
         for i, item in enumerate(turn):
             if isinstance(item, str):
                 item = {"type": "text", "delta": item}
             if not isinstance(item, Mapping) or item.get("type") not in ITEM_TYPES:
-                raise ValueError(f"recording[{t}][{i}] is not a stream item ({sorted(ITEM_TYPES)}): {item!r}")
+                raise AgentRuntimeUsageError(
+                    f"recording[{t}][{i}] is not a stream item ({sorted(ITEM_TYPES)}): {item!r}"
+                )
             if item["type"] == "part" and not isinstance(item.get("part"), int):
-                raise ValueError(f"recording[{t}][{i}] (a 'part' item) needs its integer 'part' index")
+                raise AgentRuntimeUsageError(f"recording[{t}][{i}] (a 'part' item) needs its integer 'part' index")
             items.append(dict(item))
         turns.append(items)
     return turns
@@ -126,6 +128,7 @@ class _ReplayStreamedResponse(StreamedResponse):
     _model_name: str = "replay"
     _provider_name: str = "replay"
     _timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
+    _usage_received: bool | None = field(default=False, init=False)  # a turn without a usage item reported none
 
     async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
         for item in self._items:
@@ -180,7 +183,7 @@ class _ReplayStreamedResponse(StreamedResponse):
             return [manager.handle_part(vendor_part_id=part, part=_PART_ADAPTER.validate_python(item["value"]))]
         if kind == "usage":
             values = {k: v for k, v in item.items() if k != "type"}
-            self._usage = _USAGE_ADAPTER.validate_python(values)
+            self._add_usage(_USAGE_ADAPTER.validate_python(values), reported=True, cumulative=True)
             return []
         if kind == "finish":
             if item.get("finish_reason") is not None:

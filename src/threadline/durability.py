@@ -1,0 +1,710 @@
+"""Durable steps inside tools: ``ctx.step(name, body)`` records an external effect's intent and proof.
+
+A tool that performs an external effect (charge a card, send a mail, create a ticket) wraps it in a step::
+
+    @define_agent_tool
+    async def refund(ctx: AgentToolContext, order_id: str) -> dict:
+        return await ctx.step(f"refund:{order_id}", lambda: payments.refund(order_id))
+
+**The value.** A step body returns *lossless JSON*: ``None``, ``bool``, ``int``, finite ``float`` (not
+``-0.0``), ``str`` (valid Unicode), ``list`` and ``dict`` with ``str`` keys — exact types, nested freely.
+Anything else (tuples, sets, datetimes, ``Decimal``, bytes, enums, custom objects, ``nan``, ``inf``,
+``-0.0``, a ``str`` subclass, a cycle) is refused with :class:`AgentStepValueError`, which names the path of
+the offending value (``$.items[2].when``). The refusal happens **after the body ran**: the external effect
+already happened, so effects still need their own idempotency. Return ``None`` explicitly from effect-only
+bodies and convert datetimes to strings yourself. The first result and every replay are *detached* copies:
+mutating what a step returned changes neither the record nor a later replay.
+
+**The ledger.** :func:`create_local_step_durability` keys records by ``(conversation_id, run_id,
+effect_name)``. Before the body runs, an *intent* is committed; after it returns, the *accepted proof* (the
+JSON value). A later call with the same key — typically the same tool running again after the run was
+requeued following a crash — never runs the body again:
+
+- accepted proof → the proof is returned (a detached copy);
+- bare intent (the process died, the body raised, was cancelled, or returned a refused value) → the
+  ``reconcile`` callback passed to ``ctx.step`` decides: it receives the intent's
+  :class:`AgentStepRecord`, asks the external system, and returns the proof value (which becomes the
+  accepted proof) or ``None``; without ``reconcile``, or when it returns ``None``, the outcome is
+  *uncertain*: :class:`AgentStepUncertainError`, carrying the key. Uncertain is not failure: the effect
+  may or may not have happened.
+
+It does not deduplicate a new run or a newly named effect: a new ``run_id`` or ``effect_name`` is a new
+key, and its body runs. The name must therefore identify the effect inside the run (include the business
+identity, e.g. the order id, when one tool may run several distinct effects). Within one durability
+object, concurrent calls with the same key wait for the first to finish and then see its record; two
+processes sharing one SQLite file race only on the intent (an atomic insert): the loser sees a bare intent.
+
+These records are not conversation history. They live outside the message store (in process memory or
+in their own SQLite file), so compaction of the conversation never touches them: an intent, a proof and
+the uncertain outcome stay available after history is compacted. :meth:`LocalStepDurability.purge`
+removes a conversation's records when the conversation is purged.
+
+**Without durability** (no ledger given to the runtime), ``ctx.step`` still runs the body, enforces
+lossless JSON and returns a detached copy, but records nothing: calling it again runs the body again, and
+``reconcile`` is never called.
+
+The error tree (both are :class:`~threadline.tools.AppError`, so a tool that does not catch them reports
+their code to the model instead of ``INTERNAL_SERVER_ERROR``, with ``retryable`` false)::
+
+    AppError
+    ├── AgentStepValueError        STEP_VALUE_REFUSED: the body's value is not lossless JSON (the effect ran)
+    └── AgentStepUncertainError    STEP_UNCERTAIN: a bare intent and no proof; the effect may have happened
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import math
+import os
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+from .errors import (
+    AgentRuntimeUsageError,
+    AgentStoreBusyError,
+    AgentStoreCorruptRecordError,
+    AgentStoreSchemaError,
+    AgentStoreUnavailableError,
+)
+from .tools import AppError
+
+__all__ = [
+    "STEP_EFFECTS_TABLE",
+    "STEP_UNCERTAIN",
+    "STEP_VALUE_REFUSED",
+    "AgentStepDurability",
+    "AgentStepKey",
+    "AgentStepRecord",
+    "AgentStepUncertainError",
+    "AgentStepValueError",
+    "LocalStepDurability",
+    "create_local_step_durability",
+    "run_agent_step",
+]
+
+STEP_VALUE_REFUSED = "STEP_VALUE_REFUSED"
+STEP_UNCERTAIN = "STEP_UNCERTAIN"
+STEP_EFFECTS_TABLE = "threadline_step_effects"
+
+StepBody = Callable[[], Any]
+"""A zero-argument callable: ``async def`` or plain; a plain one returning an awaitable is awaited."""
+StepReconcile = Callable[["AgentStepRecord"], Any]
+"""Called with the bare intent's record; returns (or resolves to) the proof value, or ``None``."""
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+class AgentStepKey(NamedTuple):
+    """What identifies one effect: the conversation, the run and the effect's name inside the run."""
+
+    conversation_id: str
+    run_id: str
+    effect_name: str
+
+
+@dataclass(frozen=True)
+class AgentStepRecord:
+    """One ledger record, as :meth:`LocalStepDurability.read` and ``reconcile`` see it."""
+
+    conversation_id: str
+    run_id: str
+    effect_name: str
+    state: Literal["intent", "accepted"]
+    """``intent``: committed before the body ran, no proof yet. ``accepted``: the proof is recorded."""
+    value: Any
+    """The accepted proof (a detached copy: mutating it changes nothing stored); ``None`` for an intent."""
+    intent_at: datetime
+    """When the intent was committed (UTC)."""
+    accepted_at: datetime | None
+    """When the proof was committed (UTC); ``None`` for an intent."""
+    reconciled: bool
+    """True when the proof came from ``reconcile`` rather than from the body."""
+
+    @property
+    def key(self) -> AgentStepKey:
+        return AgentStepKey(self.conversation_id, self.run_id, self.effect_name)
+
+
+class AgentStepValueError(AppError):
+    """A step body (or ``reconcile``) returned a value that is not lossless JSON.
+
+    Raised **after** the body ran: the external effect already happened and its result was not recorded.
+    With durability the intent stays, so a later call with the same key reconciles or is uncertain; it
+    never runs the body again. ``path`` names the offending value (``$.items[2].when``), ``reason`` says
+    what is wrong with it, ``effect_name`` which step it was.
+    """
+
+    def __init__(self, effect_name: str | None, path: str, reason: str) -> None:
+        where = f"step {effect_name!r}" if effect_name is not None else "step"
+        super().__init__(
+            STEP_VALUE_REFUSED,
+            f"{where} returned a value that is not lossless JSON at {path}: {reason}; "
+            "the effect ran but its result was not recorded",
+            details={"effect_name": effect_name, "path": path},
+            hint="the effect already happened: do not repeat it without checking its outcome",
+        )
+        self.effect_name = effect_name
+        self.path = path
+        self.reason = reason
+
+
+class AgentStepUncertainError(AppError):
+    """A step's key holds a bare intent and no proof: the effect may or may not have happened.
+
+    The body was **not** run again. Raised when ``ctx.step`` was called without ``reconcile``, or when
+    ``reconcile`` returned ``None`` (``reconcile_attempted``). ``key`` and ``record`` (the intent) say which
+    effect; the intent stays, so the next call with the same key is uncertain again until reconciled.
+    """
+
+    def __init__(self, record: AgentStepRecord, *, reconcile_attempted: bool) -> None:
+        tried = "reconcile could not confirm it" if reconcile_attempted else "no reconcile was given"
+        super().__init__(
+            STEP_UNCERTAIN,
+            f"the outcome of step {record.effect_name!r} is uncertain: it was started before and never "
+            f"recorded a result ({tried})",
+            details={"effect_name": record.effect_name},
+            hint="the effect may or may not have happened: check it before doing it again",
+        )
+        self.record = record
+        self.key = record.key
+        self.conversation_id = record.conversation_id
+        self.run_id = record.run_id
+        self.effect_name = record.effect_name
+        self.reconcile_attempted = reconcile_attempted
+
+
+# ----------------------------------------------------------------------------------------- lossless JSON
+
+
+class _Refused(Exception):
+    def __init__(self, path: tuple[Any, ...] | None, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+
+
+def _render_path(node: tuple[Any, ...] | None) -> str:
+    segments: list[str] = []
+    while node is not None:
+        node, segment = node
+        segments.append(segment)
+    out = "$"
+    for segment in reversed(segments):
+        if isinstance(segment, int):
+            out += f"[{segment}]"
+        elif segment.isidentifier():
+            out += f".{segment}"
+        else:
+            out += f"[{json.dumps(segment, ensure_ascii=False)}]"
+    return out
+
+
+def _describe(value: Any) -> str:
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if kind is float:
+        return f"{value!r} is not a finite JSON number" if not math.isfinite(value) else "-0.0 is not lossless JSON"
+    if kind is int:
+        return "the integer has too many digits to encode"
+    if kind is str:
+        return "the string is not valid Unicode (it holds a lone surrogate)"
+    if isinstance(value, str | int | float | list | dict):
+        return f"{name} is a subclass of {kind.__mro__[1].__name__}; return the plain type"
+    if isinstance(value, tuple | set | frozenset):
+        return f"{name} is not JSON; return a list"
+    if hasattr(value, "isoformat"):
+        return f"{name} is not JSON; convert it to a string"
+    return f"{name} is not JSON"
+
+
+_INT_BITS_LIMIT = 14_000  # below sys.get_int_max_str_digits() at its default (4300 digits): no str() needed
+
+
+def _copy(value: Any, path: tuple[Any, ...] | None, active: set[int]) -> Any:
+    kind = type(value)
+    if kind is str:
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Refused(path, _describe(value)) from None
+        return value
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        if value.bit_length() > _INT_BITS_LIMIT:
+            try:
+                str(value)
+            except ValueError:
+                raise _Refused(path, _describe(value)) from None
+        return value
+    if kind is float:
+        if not math.isfinite(value) or (value == 0.0 and math.copysign(1.0, value) < 0):
+            raise _Refused(path, _describe(value))
+        return value
+    if kind is list:
+        if id(value) in active:
+            raise _Refused(path, "the list contains itself (a cycle)")
+        active.add(id(value))
+        copied = [_copy(item, (path, index), active) for index, item in enumerate(value)]
+        active.discard(id(value))
+        return copied
+    if kind is dict:
+        if id(value) in active:
+            raise _Refused(path, "the dict contains itself (a cycle)")
+        active.add(id(value))
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _Refused(path, f"the dict has the key {key!r}, which is {type(key).__name__}, not str")
+            out[_copy(key, (path, key), active)] = _copy(item, (path, key), active)
+        active.discard(id(value))
+        return out
+    raise _Refused(path, _describe(value))
+
+
+def _lossless(value: Any, effect_name: str | None) -> tuple[Any, str]:
+    """A detached copy of ``value`` and its JSON text, or :class:`AgentStepValueError` naming the path."""
+    try:
+        copied = _copy(value, None, set())
+        text = json.dumps(copied, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except _Refused as refused:
+        raise AgentStepValueError(effect_name, _render_path(refused.path), refused.reason) from None
+    except RecursionError:
+        raise AgentStepValueError(effect_name, "$", "the value is nested too deeply") from None
+    return copied, text
+
+
+def _decode(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise AgentStoreCorruptRecordError(f"{where}: the stored proof is not JSON") from error
+
+
+# --------------------------------------------------------------------------------------- calling bodies
+
+
+def _check_callable(name: str, body: Any, what: str) -> None:
+    if inspect.iscoroutine(body):
+        body.close()
+        raise AgentRuntimeUsageError(
+            f"step {name!r}: {what} is a coroutine object; pass the function itself (e.g. `lambda: call()`), "
+            "so a replay does not run it"
+        )
+    if not callable(body):
+        raise AgentRuntimeUsageError(f"step {name!r}: {what} must be a callable, got {type(body).__name__}")
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _check_name(label: str, value: Any) -> None:
+    if type(value) is not str or not value:
+        raise AgentRuntimeUsageError(f"a step's {label} is a non-empty str, got {value!r}")
+
+
+async def run_agent_step(
+    durability: AgentStepDurability | None,
+    conversation_id: str,
+    run_id: str,
+    effect_name: str,
+    body: StepBody,
+    *,
+    reconcile: StepReconcile | None = None,
+) -> Any:
+    """What ``AgentToolContext.step`` does: through ``durability`` when there is one, otherwise run the
+    body and return a detached, lossless-JSON copy of its value (nothing recorded, ``reconcile`` unused).
+
+    Cancellation: without durability, cancelling cancels the body; nothing is recorded either way.
+    """
+    if durability is not None:
+        return await durability.step(conversation_id, run_id, effect_name, body, reconcile=reconcile)
+    _check_name("effect name", effect_name)
+    _check_callable(effect_name, body, "the body")
+    if reconcile is not None:
+        _check_callable(effect_name, reconcile, "reconcile")
+    copied, _text = _lossless(await _call(body), effect_name)
+    return copied
+
+
+# ------------------------------------------------------------------------------------------- the ledger
+
+
+@runtime_checkable
+class AgentStepDurability(Protocol):
+    """A ledger of step effects. :class:`LocalStepDurability` is the one threadline ships."""
+
+    async def step(
+        self,
+        conversation_id: str,
+        run_id: str,
+        effect_name: str,
+        body: StepBody,
+        *,
+        reconcile: StepReconcile | None = None,
+    ) -> Any: ...
+
+    async def read(self, conversation_id: str, run_id: str, effect_name: str) -> AgentStepRecord | None: ...
+
+    async def purge(self, conversation_id: str) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+_Row = tuple[str, str | None, str, str | None, int]
+"""(state, value JSON, intent_at, accepted_at, reconciled)"""
+
+
+class _MemoryLedger:
+    """Process-local records; every operation is synchronous and atomic on the event-loop thread."""
+
+    def __init__(self) -> None:
+        self.rows: dict[AgentStepKey, _Row] = {}
+
+    def claim(self, key: AgentStepKey, now: str) -> _Row | None:
+        row = self.rows.get(key)
+        if row is None:
+            self.rows[key] = ("intent", None, now, None, 0)
+        return row
+
+    def accept(self, key: AgentStepKey, text: str, now: str, reconciled: bool) -> _Row | None:
+        row = self.rows.get(key)
+        if row is None or row[0] != "intent":
+            return row
+        self.rows[key] = ("accepted", text, row[2], now, int(reconciled))
+        return None
+
+    def read(self, key: AgentStepKey) -> _Row | None:
+        return self.rows.get(key)
+
+    def purge(self, conversation_id: str) -> int:
+        doomed = [key for key in self.rows if key.conversation_id == conversation_id]
+        for key in doomed:
+            del self.rows[key]
+        return len(doomed)
+
+    def close(self) -> None:
+        pass
+
+
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+_COLUMNS = ("conversation_id", "run_id", "effect_name", "state", "value", "reconciled", "intent_at", "accepted_at")
+_CREATE = f"""
+CREATE TABLE IF NOT EXISTS {STEP_EFFECTS_TABLE} (
+    conversation_id TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    effect_name TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('intent', 'accepted')),
+    value TEXT,
+    reconciled INTEGER NOT NULL DEFAULT 0,
+    intent_at TEXT NOT NULL,
+    accepted_at TEXT,
+    PRIMARY KEY (conversation_id, run_id, effect_name)
+) WITHOUT ROWID
+"""
+_WHERE_KEY = "conversation_id = ? AND run_id = ? AND effect_name = ?"
+_SELECT = f"SELECT state, value, intent_at, accepted_at, reconciled FROM {STEP_EFFECTS_TABLE} WHERE {_WHERE_KEY}"
+
+
+def _map_sqlite(error: sqlite3.Error, filename: str) -> Exception:
+    """The typed error for a sqlite3 failure, by result code (never by message text)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    name = getattr(error, "sqlite_errorname", None) or type(error).__name__
+    if code is not None and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+        return AgentStoreBusyError(f"{filename}: another connection holds the step ledger's lock ({name}); retry")
+    return AgentStoreUnavailableError(f"{filename}: SQLite failed on the step ledger ({name}): {error}")
+
+
+class _SqliteLedger:
+    """Records in their own SQLite file. Every method runs on the ledger's one worker thread and commits
+    before it returns."""
+
+    def __init__(self, filename: str, synchronous: str, busy_timeout: float) -> None:
+        self.filename = filename
+        self.conn: sqlite3.Connection | None = None
+        self._synchronous = synchronous
+        self._busy_ms = max(0, int(busy_timeout * 1000))
+
+    def open(self) -> None:
+        try:
+            conn = sqlite3.connect(self.filename, timeout=self._busy_ms / 1000, isolation_level=None)
+        except sqlite3.Error as error:
+            raise _map_sqlite(error, self.filename) from error
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+            mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+            if mode not in ("wal", "memory"):
+                raise AgentStoreUnavailableError(f"{self.filename}: SQLite refused WAL journal mode (got {mode!r})")
+            conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            names = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE name GLOB 'threadline_*'")}
+            if "threadline_meta" in names:
+                raise AgentStoreSchemaError(
+                    f"{self.filename} holds a threadline runtime store; give the step ledger its own file"
+                )
+            conn.execute(_CREATE)
+            columns = tuple(row[1] for row in conn.execute(f"PRAGMA table_info({STEP_EFFECTS_TABLE})"))
+            if sorted(columns) != sorted(_COLUMNS):
+                raise AgentStoreSchemaError(
+                    f"{self.filename}: {STEP_EFFECTS_TABLE} has columns {list(columns)}; expected {list(_COLUMNS)}"
+                )
+        except BaseException as error:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            if isinstance(error, sqlite3.Error):
+                raise _map_sqlite(error, self.filename) from error
+            raise
+        self.conn = conn
+
+    def _transaction(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn = self.conn
+        if conn is None:
+            raise AgentStoreUnavailableError(f"{self.filename}: the step ledger is closed")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            result = work(conn)
+            conn.execute("COMMIT")
+            return result
+        except BaseException as error:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if isinstance(error, sqlite3.Error):
+                raise _map_sqlite(error, self.filename) from error
+            raise
+
+    def claim(self, key: AgentStepKey, now: str) -> _Row | None:
+        def work(conn: sqlite3.Connection) -> _Row | None:
+            inserted = conn.execute(
+                f"INSERT INTO {STEP_EFFECTS_TABLE} (conversation_id, run_id, effect_name, state, intent_at) "
+                "VALUES (?, ?, ?, 'intent', ?) ON CONFLICT DO NOTHING",
+                (*key, now),
+            ).rowcount
+            return None if inserted == 1 else conn.execute(_SELECT, key).fetchone()
+
+        return self._transaction(work)
+
+    def accept(self, key: AgentStepKey, text: str, now: str, reconciled: bool) -> _Row | None:
+        def work(conn: sqlite3.Connection) -> _Row | None:
+            updated = conn.execute(
+                f"UPDATE {STEP_EFFECTS_TABLE} SET state = 'accepted', value = ?, accepted_at = ?, reconciled = ? "
+                f"WHERE {_WHERE_KEY} AND state = 'intent'",
+                (text, now, int(reconciled), *key),
+            ).rowcount
+            return None if updated == 1 else conn.execute(_SELECT, key).fetchone()
+
+        return self._transaction(work)
+
+    def read(self, key: AgentStepKey) -> _Row | None:
+        return self._transaction(lambda conn: conn.execute(_SELECT, key).fetchone())
+
+    def purge(self, conversation_id: str) -> int:
+        return self._transaction(
+            lambda conn: (
+                conn.execute(f"DELETE FROM {STEP_EFFECTS_TABLE} WHERE conversation_id = ?", (conversation_id,)).rowcount
+            )
+        )
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class LocalStepDurability:
+    """The step ledger of :func:`create_local_step_durability`: process memory or one SQLite file.
+
+    Give it to the runtime (every tool call's ``ctx.step`` then goes through it), or call :meth:`step`
+    directly. Also an async context manager that closes it.
+    """
+
+    def __init__(
+        self, filename: str | os.PathLike[str] | None = None, *, synchronous: str = "NORMAL", busy_timeout: float = 5.0
+    ) -> None:
+        self.filename = os.fspath(filename) if filename is not None else None
+        self._inflight: dict[AgentStepKey, asyncio.Future[None]] = {}
+        self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._ledger: _MemoryLedger | _SqliteLedger
+        if self.filename is None:
+            self._ledger = _MemoryLedger()
+            return
+        if synchronous not in ("NORMAL", "FULL"):
+            raise AgentRuntimeUsageError(f"synchronous is 'NORMAL' or 'FULL', got {synchronous!r}")
+        ledger = _SqliteLedger(self.filename, synchronous, busy_timeout)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="threadline-steps")
+        try:
+            executor.submit(ledger.open).result()  # opened on its own thread, like the SQLite store
+        except BaseException:
+            executor.shutdown(wait=True)
+            raise
+        self._ledger, self._executor = ledger, executor
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._closed:
+            raise AgentStoreUnavailableError("the step ledger is closed")
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _record(self, key: AgentStepKey, row: _Row) -> AgentStepRecord:
+        state, text, intent_at, accepted_at, reconciled = row
+        where = f"step record {tuple(key)!r}"
+        if state not in ("intent", "accepted") or (state == "accepted") != (text is not None):
+            raise AgentStoreCorruptRecordError(f"{where}: state {state!r} does not match its value")
+        try:
+            intent = datetime.fromisoformat(intent_at)
+            accepted = datetime.fromisoformat(accepted_at) if accepted_at is not None else None
+        except (TypeError, ValueError) as error:
+            raise AgentStoreCorruptRecordError(f"{where}: a timestamp is malformed") from error
+        return AgentStepRecord(
+            conversation_id=key.conversation_id,
+            run_id=key.run_id,
+            effect_name=key.effect_name,
+            state=state,
+            value=_decode(text, where) if text is not None else None,
+            intent_at=intent,
+            accepted_at=accepted,
+            reconciled=bool(reconciled),
+        )
+
+    async def step(
+        self,
+        conversation_id: str,
+        run_id: str,
+        effect_name: str,
+        body: StepBody,
+        *,
+        reconcile: StepReconcile | None = None,
+    ) -> Any:
+        """Run ``body`` at most once for this key and return its lossless-JSON value (a detached copy).
+
+        New key: commit the intent, run the body, check its value (:class:`AgentStepValueError` after the
+        body ran; the intent stays), commit the proof, return. Accepted key: return the proof without
+        running the body. Bare intent: ``reconcile(record)`` (sync or async) returns the proof, which is
+        committed as accepted and returned, or ``None``; without ``reconcile`` or with ``None`` →
+        :class:`AgentStepUncertainError`. An exception from the body or ``reconcile`` propagates and
+        leaves the intent: the effect's outcome is unknown, so the key is uncertain from then on.
+
+        Cancellation: before the intent is committed, nothing happened. While the body runs, the body is
+        cancelled and the intent stays (uncertain later). After the body returned, the proof's write is
+        shielded: it is committed even though the call raises ``CancelledError``. Safe to call from
+        several tasks of one event loop: same-key calls wait for the first one and then see its record.
+        """
+        _check_name("conversation id", conversation_id)
+        _check_name("run id", run_id)
+        _check_name("effect name", effect_name)
+        _check_callable(effect_name, body, "the body")
+        if reconcile is not None:
+            _check_callable(effect_name, reconcile, "reconcile")
+        key = AgentStepKey(conversation_id, run_id, effect_name)
+        while (running := self._inflight.get(key)) is not None:
+            await asyncio.shield(running)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = done
+        try:
+            return await self._step(key, body, reconcile)
+        finally:
+            del self._inflight[key]
+            done.set_result(None)
+
+    async def _step(self, key: AgentStepKey, body: StepBody, reconcile: StepReconcile | None) -> Any:
+        existing = await self._run(self._ledger.claim, key, _now())
+        if existing is None:  # the intent is committed: this call owns the effect
+            copied, text = _lossless(await _call(body), key.effect_name)
+            return await self._accept(key, copied, text, reconciled=False)
+        record = self._record(key, existing)
+        if record.state == "accepted":
+            return record.value
+        if reconcile is None:
+            raise AgentStepUncertainError(record, reconcile_attempted=False)
+        proof = await _call(reconcile, record)
+        if proof is None:
+            raise AgentStepUncertainError(record, reconcile_attempted=True)
+        copied, text = _lossless(proof, key.effect_name)
+        return await self._accept(key, copied, text, reconciled=True)
+
+    async def _accept(self, key: AgentStepKey, copied: Any, text: str, *, reconciled: bool) -> Any:
+        write = asyncio.ensure_future(self._run(self._ledger.accept, key, text, _now(), reconciled))
+        current = await asyncio.shield(write)
+        if current is not None and current[0] == "accepted":  # another process accepted it first
+            return self._record(key, current).value
+        return copied  # accepted now (or the conversation was purged meanwhile)
+
+    async def read(self, conversation_id: str, run_id: str, effect_name: str) -> AgentStepRecord | None:
+        """The record for this key (``intent`` or ``accepted``, with a detached proof), or ``None``.
+
+        Cancellation: a read; cancelling has no effect on the ledger.
+        """
+        key = AgentStepKey(conversation_id, run_id, effect_name)
+        row = await self._run(self._ledger.read, key)
+        return None if row is None else self._record(key, row)
+
+    async def purge(self, conversation_id: str) -> int:
+        """Delete every record of the conversation (call it when the conversation is purged); returns how
+        many were deleted. A step of that conversation still in flight returns its value, unrecorded.
+
+        Cancellation: the delete is one transaction; cancelled before it starts, nothing is deleted.
+        """
+        _check_name("conversation id", conversation_id)
+        return await self._run(self._ledger.purge, conversation_id)
+
+    async def close(self) -> None:
+        """Close the ledger (its SQLite connection and thread). Idempotent; later calls raise
+        :class:`~threadline.errors.AgentStoreUnavailableError`.
+
+        Cancellation: the connection is closed on its thread even if the caller is cancelled.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        executor, self._executor = self._executor, None
+        if executor is None:
+            self._ledger.close()
+            return
+        try:
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(executor, self._ledger.close))
+        finally:
+            executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> LocalStepDurability:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+def create_local_step_durability(
+    filename: str | os.PathLike[str] | None = None,
+    *,
+    synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+    busy_timeout: float = 5.0,
+) -> LocalStepDurability:
+    """A step ledger keyed by ``(conversation_id, run_id, effect_name)``.
+
+    ``filename=None``: process-local memory (lost with the process; replays within it). A filename: its
+    own SQLite file (WAL, table ``threadline_step_effects``; not the runtime store's file, which is
+    refused), opened here on the ledger's dedicated thread; every write commits before ``step`` proceeds.
+    ``synchronous='NORMAL'`` survives process crashes, ``'FULL'`` also power loss. ``busy_timeout``
+    (seconds) bounds the wait for another process's write lock, then
+    :class:`~threadline.errors.AgentStoreBusyError`.
+    """
+    return LocalStepDurability(filename, synchronous=synchronous, busy_timeout=busy_timeout)

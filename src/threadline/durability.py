@@ -15,6 +15,10 @@ already happened, so effects still need their own idempotency. Return ``None`` e
 bodies and convert datetimes to strings yourself. The first result and every replay are *detached* copies:
 mutating what a step returned changes neither the record nor a later replay.
 
+A body is a zero-argument callable: an ``async def``, or a plain function (which runs on the event
+loop's thread — put blocking work in ``asyncio.to_thread`` — and may return an awaitable, as
+``lambda: client.post(...)`` does).
+
 **The ledger.** :func:`create_local_step_durability` keys records by ``(conversation_id, run_id,
 effect_name)``. Before the body runs, an *intent* is committed; after it returns, the *accepted proof* (the
 JSON value). A later call with the same key — typically the same tool running again after the run was
@@ -35,8 +39,8 @@ object, concurrent calls with the same key wait for the first to finish and then
 processes sharing one SQLite file race only on the intent (an atomic insert): the loser sees a bare intent.
 
 These records are not conversation history. They live outside the message store (in process memory or
-in their own SQLite file), so compaction of the conversation never touches them: an intent, a proof and
-the uncertain outcome stay available after history is compacted. :meth:`LocalStepDurability.purge`
+in their own SQLite file), so compaction of the conversation never touches them: an intent (hence an uncertain outcome) and a
+proof stay available after history is compacted. :meth:`LocalStepDurability.purge`
 removes a conversation's records when the conversation is purged.
 
 **Without durability** (no ledger given to the runtime), ``ctx.step`` still runs the body, enforces

@@ -774,7 +774,7 @@ class _Execution:
                 run_id=self.run.id,
                 call_id=call.call_id,
                 tool_name=call.tool_name,
-                context=self.env.context,
+                context=tool.parse_context(self.env.context),
                 report_progress=self._progress_reporter(call),
             )
             output = _json_safe(await tool.call(ctx, args))

@@ -97,6 +97,22 @@ class AgentTool:
     args_model: type[BaseModel]
     handler: Callable[..., Awaitable[Any]]
     takes_context: bool
+    context_schema: type[BaseModel] | None = None
+    """When set, the run's context is validated against it and the handler's ``ctx.context`` is the
+    parsed model; a context that does not fit refuses the call (``INVALID_CONTEXT``) before any effect."""
+
+    def parse_context(self, context: Any) -> Any:
+        if self.context_schema is None or isinstance(context, self.context_schema):
+            return context
+        raw = context.model_dump() if isinstance(context, BaseModel) else context
+        try:
+            return self.context_schema.model_validate(raw)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "context"
+            raise AppError(
+                "INVALID_CONTEXT", f"the run context does not fit {self.name}: {where}: {first['msg']}"
+            ) from error
 
     @functools.cached_property
     def _definition(self) -> ToolDefinition:
@@ -147,12 +163,14 @@ def define_agent_tool(
     name: str | None = None,
     description: str | None = None,
     args: type[BaseModel] | None = None,
+    context_schema: type[BaseModel] | None = None,
 ) -> Any:
     """Declare a tool from an async function (usable as ``@define_agent_tool`` or with options).
 
     With ``args`` the handler receives the validated fields as keyword arguments; otherwise the schema
     comes from the function's annotated parameters. A first parameter annotated :class:`AgentToolContext`
-    receives the call context.
+    receives the call context; with ``context_schema`` its ``context`` is the run context validated
+    against that model (a context that does not fit refuses the call before any effect).
     """
 
     def build(handler: Callable[..., Awaitable[Any]]) -> AgentTool:
@@ -166,7 +184,7 @@ def define_agent_tool(
         else:
             model, takes_context = _args_model_from_signature(handler, tool_name)
         doc = description or (inspect.getdoc(handler) or None)
-        return AgentTool(tool_name, doc, model, handler, takes_context)
+        return AgentTool(tool_name, doc, model, handler, takes_context, context_schema)
 
     return build(fn) if fn is not None else build
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic_ai.messages import ModelRequest, ModelResponse, ToolReturnPart
 from pydantic_ai.models.function import DeltaToolCall
 
-from threadline import AgentRunOwnershipConflictError, AppError, define_agent_tool
+from threadline import AgentRunOwnershipConflictError, AgentToolContext, AppError, define_agent_tool
 from threadline.approvals import AgentApprovalError
 from threadline.store.sqlite import create_sqlite_agent_runtime_store
 from threadline.tools import AgentToolLifecycle
@@ -246,3 +246,24 @@ async def test_a_forged_or_mismatched_approval_fails_the_run_and_runs_nothing(st
     outcomes = await mismatch.recover(resolve_context=lambda run: {})
     assert (await outcomes[-1].result).terminal_reason == "runtime_failure" and effects == []
     await mismatch.close()
+
+
+async def test_a_tool_with_its_own_context_schema(store: Any) -> None:
+    from pydantic import BaseModel
+
+    class Tenant(BaseModel):
+        user_id: str
+
+    seen: list[Any] = []
+
+    async def whoami(ctx: AgentToolContext) -> str:
+        seen.append(ctx.context)
+        return ctx.context.user_id
+
+    tool = define_agent_tool(whoami, context_schema=Tenant)
+    script = call_then_answer("whoami")
+    runtime = make_runtime(store, script, tools=[tool])
+    result = await submit(runtime, "k", "who am I?").result
+    assert result.terminal_reason == "success" and isinstance(seen[0], Tenant) and seen[0].user_id == "u1"
+    assert tool_returns_seen(script, 1)[0].content == "u1"
+    await runtime.close()

@@ -81,8 +81,10 @@ from .history.prompt import (
     decide_prompt_budget as decide_prompt_budget,
 )
 from .loop import (
+    AgentCompactionRequest as AgentCompactionRequest,
     AgentContextUsage as AgentContextUsage,
     AgentRetryPolicy as AgentRetryPolicy,
+    AgentRuntimeRunContext as AgentRuntimeRunContext,
     RunControl as RunControl,
     StepContext as StepContext,
     StopPolicy as StopPolicy,
@@ -176,6 +178,7 @@ __all__ = [
     "AdmissionEvent",
     "AdmissionReceipt",
     "AgentAdmission",
+    "AgentCompactionRequest",
     "AgentContextOverflowError",
     "AgentContextUsage",
     "AgentControlView",
@@ -218,6 +221,7 @@ __all__ = [
     "AgentRuntimeEventCursor",
     "AgentRuntimeInput",
     "AgentRuntimeResult",
+    "AgentRuntimeRunContext",
     "AgentRuntimeStore",
     "AgentRuntimeTicket",
     "AgentRuntimeUsageError",

@@ -39,9 +39,9 @@ object, concurrent calls with the same key wait for the first to finish and then
 processes sharing one SQLite file race only on the intent (an atomic insert): the loser sees a bare intent.
 
 These records are not conversation history. They live outside the message store (in process memory or
-in their own SQLite file), so compaction of the conversation never touches them: an intent (hence an uncertain outcome) and a
-proof stay available after history is compacted. :meth:`LocalStepDurability.purge`
-removes a conversation's records when the conversation is purged.
+in their own SQLite file), so compaction of the conversation never touches them: an intent (hence an
+uncertain outcome) and a proof stay available after history is compacted.
+:meth:`LocalStepDurability.purge` removes a conversation's records when the conversation is purged.
 
 **Without durability** (no ledger given to the runtime), ``ctx.step`` still runs the body, enforces
 lossless JSON and returns a detached copy, but records nothing: calling it again runs the body again, and

@@ -232,6 +232,25 @@ class StepContext:
     context_usage: AgentContextUsage | None = None
 
 
+AgentRuntimeRunContext = StepContext
+"""The name the documentation uses for what ``prepare_step`` and stop policies receive."""
+
+
+@dataclass(frozen=True)
+class AgentCompactionRequest:
+    """What a runtime-managed compaction hook receives before each step. The hook decides (typically
+    from ``context_usage``) whether to compact — e.g. with ``threadline.history.compaction.
+    structured_compaction(store, conversation_id, ...)`` — and may simply return when it is not needed.
+    Its invocation is recorded as a ``compaction`` run operation either way."""
+
+    conversation_id: str
+    run: Run
+    step: int
+    context: Any
+    store: Any
+    context_usage: AgentContextUsage
+
+
 def _retryable_by_default(error: BaseException) -> bool:
     """Transient provider conditions: rate limits, overload, server errors, dropped connections."""
     if isinstance(error, ModelRateLimitError | ModelServerError | ModelUnavailableError | ModelConnectionError):
@@ -272,6 +291,7 @@ class LoopSettings:
     tool_lifecycle: AgentToolLifecycle | None = None
     tool_approval: Callable[[ToolCallPart], Any] | Collection[str] | None = None
     tool_approval_secret: str | bytes | None = None
+    compaction: Callable[[AgentCompactionRequest], Any] | None = None
 
 
 @dataclass
@@ -892,6 +912,28 @@ class _Execution:
                 setattr(ctx, key, value)
         return ctx
 
+    async def _compact(self, step: int, model: AgentModelDescriptor) -> None:
+        """Let the configured compaction hook look at the context before this step; its invocation is a
+        durable ``compaction`` operation (``started``, then ``completed`` or ``failed``)."""
+        operation = RunOperation(
+            kind="compaction", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
+        )
+        await self.owned.record(operation)
+        request = AgentCompactionRequest(
+            conversation_id=self.run.conversation_id,
+            run=self.run,
+            step=step,
+            context=self.env.context,
+            store=self.env.store,
+            context_usage=self._context_usage(model),
+        )
+        try:
+            await self._callback(self.env.settings.compaction, request)  # type: ignore[arg-type]
+        except _Failure as failure:
+            await self._finish_operation(operation, "failed", failure.reason)
+            raise
+        await self.owned.record(operation.model_copy(update={"phase": "completed", "finished_at": _now()}))
+
     async def _retry(self, failure: _Failure, step: int, attempt_start: list[Part]) -> bool:
         """Decide and prepare a retry of a failed provider stream at the step boundary. Only an attempt
         that invoked no tool is retried; the failed output is discarded (``attempt-reset``) and the draft
@@ -946,6 +988,8 @@ class _Execution:
             if self.control.aborted:
                 raise _Aborted()
             await self._join_injections(step)
+            if env.settings.compaction is not None:
+                await self._compact(step, model)
             operation = RunOperation(
                 kind="model-request",
                 phase="started",

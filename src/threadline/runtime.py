@@ -100,6 +100,8 @@ class HistoryConfig:
     incomplete_tool_turn: Literal["drop", "error"] = "drop"
     unresolved_file: Literal["omit", "text", "error"] = "omit"
     resolve_file: Callable[..., Any] | None = None
+    compaction: Callable[..., Any] | None = None
+    """Runtime-managed compaction: called before every step with an ``AgentCompactionRequest``."""
 
 
 def _section(cls: type[C], value: C | Mapping[str, Any] | None, name: str) -> C:
@@ -302,8 +304,9 @@ class AgentRuntime:
             raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
         history_config = _section(HistoryConfig, history, "history")
         self.projection_options = AgentHistoryProjectionOptions.model_validate(
-            {k: v for k, v in vars(history_config).items() if v is not None}
+            {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
         )
+        self.loop_settings.compaction = history_config.compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
         self._sequences: dict[str, int] = {}

@@ -326,3 +326,37 @@ async def test_input_queued_behind_an_orphan_is_reported_unsettled(store: Any) -
     assert [(o.run_id, o.outcome) for o in outcomes] == [(accepted.run.id, "abandoned"), (queued.id, "resumed")]
     assert (await outcomes[1].result).terminal_reason == "success"
     await runtime.close()
+
+
+async def test_a_runtime_managed_compaction_hook_runs_before_each_step(store: Any) -> None:
+    calls: list[Any] = []
+
+    async def compact(request: Any) -> None:
+        calls.append((request.step, request.context_usage.context_window))
+        page = await request.store.conversations.messages(request.conversation_id, limit=50)
+        settled = [m for m in page.items if m.position is not None]
+        if len(settled) < 4:
+            return  # not needed yet: the invocation is still recorded
+        version = (await request.store.list_active_runs(conversation_id=request.conversation_id)).version
+        await request.store.replace_compacted_range(
+            conversation_id=request.conversation_id,
+            expected_version=version,
+            replaced_message_ids=[m.id for m in settled],
+            summary={"id": f"summary-{len(calls)}", "role": "summary", "parts": [{"type": "text", "text": "SUMMARY"}]},
+        )
+
+    script = Script()
+    runtime = make_runtime(store, script, history={"compaction": compact})
+    for i in range(3):
+        await submit(runtime, f"k{i}", f"question {i}").result
+    assert [c[0] for c in calls] == [0, 0, 0] and calls[0][1] == 100_000
+    # the third request no longer carries the first two turns; the summary reaches the instructions
+    from .conftest import last_user_text
+
+    assert last_user_text(script.calls[2]) == "question 2"
+    assert "question 0" not in repr(script.calls[2]) and script.infos[2].instructions == "SUMMARY"
+    loaded = await store.load_run(
+        conversation_id="c1", run_id=(await submit(runtime, "k0", "question 0").admission).run.id
+    )
+    assert loaded.run.terminal_reason == "success"
+    await runtime.close()

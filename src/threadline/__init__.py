@@ -4,6 +4,10 @@ The public API is re-exported here explicitly. Importing ``threadline`` imports 
 (PostgreSQL support lives in ``threadline.store.postgres`` behind ``threadline[postgres]``).
 """
 
+from .approvals import (
+    AgentApprovalError as AgentApprovalError,
+    AgentPendingApproval as AgentPendingApproval,
+)
 from .delivery import (
     AgentControlView as AgentControlView,
     AgentEventSinkStatus as AgentEventSinkStatus,
@@ -16,6 +20,13 @@ from .delivery import (
     create_agent_runtime_event_sink as create_agent_runtime_event_sink,
     reduce_agent_control_event as reduce_agent_control_event,
     reduce_agent_control_snapshot as reduce_agent_control_snapshot,
+)
+from .durability import (
+    AgentStepRecord as AgentStepRecord,
+    AgentStepUncertainError as AgentStepUncertainError,
+    AgentStepValueError as AgentStepValueError,
+    LocalStepDurability as LocalStepDurability,
+    create_local_step_durability as create_local_step_durability,
 )
 from .errors import (
     AgentContextOverflowError as AgentContextOverflowError,
@@ -139,6 +150,7 @@ from .runtime import (
     LoopConfig as LoopConfig,
     RunsConfig as RunsConfig,
     create_agent_runtime as create_agent_runtime,
+    takeover_expired_leases as takeover_expired_leases,
 )
 from .store import (
     AbsorbClaim as AbsorbClaim,
@@ -159,8 +171,12 @@ from .store.sqlite import (
 )
 from .tools import (
     AgentTool as AgentTool,
+    AgentToolCall as AgentToolCall,
     AgentToolContext as AgentToolContext,
+    AgentToolLifecycle as AgentToolLifecycle,
     AppError as AppError,
+    compose_tool_lifecycle as compose_tool_lifecycle,
+    create_agent_tool_fence_lifecycle as create_agent_tool_fence_lifecycle,
     define_agent_tool as define_agent_tool,
 )
 from .usage import (
@@ -178,6 +194,7 @@ __all__ = [
     "AdmissionEvent",
     "AdmissionReceipt",
     "AgentAdmission",
+    "AgentApprovalError",
     "AgentCompactionRequest",
     "AgentContextOverflowError",
     "AgentContextUsage",
@@ -195,6 +212,7 @@ __all__ = [
     "AgentModelRegistry",
     "AgentModelUnavailableError",
     "AgentMultiSessionCursor",
+    "AgentPendingApproval",
     "AgentProjectionDecision",
     "AgentPrompt",
     "AgentPromptBudget",
@@ -226,6 +244,9 @@ __all__ = [
     "AgentRuntimeTicket",
     "AgentRuntimeUsageError",
     "AgentStepFinishedEvent",
+    "AgentStepRecord",
+    "AgentStepUncertainError",
+    "AgentStepValueError",
     "AgentStoreBusyError",
     "AgentStoreConflictError",
     "AgentStoreCorruptRecordError",
@@ -233,7 +254,9 @@ __all__ = [
     "AgentStoreSchemaError",
     "AgentStoreUnavailableError",
     "AgentTool",
+    "AgentToolCall",
     "AgentToolContext",
+    "AgentToolLifecycle",
     "AgentUsage",
     "AppError",
     "ApprovalRequestPart",
@@ -248,6 +271,7 @@ __all__ = [
     "FilePart",
     "HistoryConfig",
     "InputJoinedPart",
+    "LocalStepDurability",
     "LoopConfig",
     "Message",
     "MessageDraft",
@@ -284,11 +308,14 @@ __all__ = [
     "advance_agent_runtime_event_cursor",
     "agent_operator_event_id",
     "compose_agent_prompt",
+    "compose_tool_lifecycle",
     "create_agent_control_view",
     "create_agent_operator_sink",
     "create_agent_runtime",
     "create_agent_runtime_event_sink",
     "create_agent_runtime_store",
+    "create_agent_tool_fence_lifecycle",
+    "create_local_step_durability",
     "create_memory_agent_runtime_store",
     "create_sqlite_agent_runtime_store",
     "decide_prompt_budget",
@@ -306,4 +333,5 @@ __all__ = [
     "reduce_agent_control_event",
     "reduce_agent_control_snapshot",
     "run_agent_store_conformance",
+    "takeover_expired_leases",
 ]

@@ -22,7 +22,9 @@ Failures are classified by exception type, never by message text. The tree::
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
     └── AgentContextOverflowError         a prepared step cannot fit the model window
 
-Every store error guarantees that nothing was written by the failing call.
+Every store error guarantees that nothing was written by the failing call — with one exception a
+database cannot rule out: a connection lost during COMMIT (``AgentStoreUnavailableError`` says so), after
+which the caller reads back (or retries with the same identity) to learn the outcome.
 """
 
 from __future__ import annotations

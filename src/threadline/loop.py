@@ -292,6 +292,8 @@ class LoopSettings:
     tool_approval: Callable[[ToolCallPart], Any] | Collection[str] | None = None
     tool_approval_secret: str | bytes | None = None
     compaction: Callable[[AgentCompactionRequest], Any] | None = None
+    step_durability: Any = None
+    """A ``threadline.durability.AgentStepDurability`` behind ``ctx.step`` (owned by the application)."""
 
 
 @dataclass
@@ -312,6 +314,8 @@ class LoopEnv:
     operator_publish: Callable[[Any], None] = lambda event: None
     sequences: dict[str, int] = field(default_factory=dict)
     """Transient sequence per run, kept by the runtime so a re-execution continues the numbering."""
+    lease: tuple[float, Callable[[], Any]] | None = None
+    """(duration, next expiry) when runs carry leases: the execution renews every third of the duration."""
     projection_options: AgentHistoryProjectionOptions = field(default_factory=AgentHistoryProjectionOptions)
     _options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = field(default_factory=dict)
 
@@ -491,6 +495,21 @@ class _OwnedRun:
         result = await self._owned(write)
         self._published_operation(operation, result.version)
 
+    async def renew(self, expires_at: Any) -> None:
+        store = self.env.store
+
+        async def write(run: Run) -> Any:
+            return await store.renew_run_lease(
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                expected_revision=run.revision,
+                owner_id=self.env.owner_id,
+                fencing_token=run.fencing_token,
+                lease_expires_at=expires_at,
+            )
+
+        await self._owned(write)
+
     async def fence(self) -> None:
         """Check that this process still owns the run, before a step's tool effects. (A result is accepted
         only by the next owned commit, whose CAS checks ownership again.)"""
@@ -651,31 +670,38 @@ class _Execution:
         async def consume() -> ModelResponse:
             loop = asyncio.get_running_loop()
             model_settings: ModelSettings = {"max_retries": 0, **(settings.model_settings or {})}  # type: ignore[typeddict-item]
+            idle = settings.idle_timeout
+            # provider silence only: the clock starts before the call (opening the stream included),
+            # restarts on every event and after each of our own checkpoint writes
+            timeout = asyncio.timeout(idle) if idle else None
             try:
-                async with model.model.request_stream(messages, model_settings, params) as stream:
+                async with (
+                    timeout or contextlib.nullcontext(),
+                    model.model.request_stream(messages, model_settings, params) as stream,
+                ):
                     state["stream"] = stream
                     count = 0
-                    timeout = asyncio.timeout(settings.idle_timeout) if settings.idle_timeout else None
-                    async with timeout or contextlib.nullcontext():
-                        async for event in stream:
+                    async for event in stream:
+                        if timeout is not None:
+                            timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
+                        if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
+                            continue
+                        structural = isinstance(event, PartEndEvent) and isinstance(event.part, PaiToolCallPart)
+                        if isinstance(event, PartEndEvent):
+                            if isinstance(event.part, PaiThinkingPart):
+                                self._reasoning_end(event.part, model.provider_name)
+                        else:
+                            count += 1
+                            self._on_event(event, operation, state, model.provider_name)
+                        if structural or count >= every:
+                            count = 0
+                            # the first-output phase rides along with the next commit
+                            first, state["first_pending"] = state["first_pending"], None
+                            await self.owned.checkpoint(
+                                [*base, *canonical_parts(stream.get(), model.provider_name)], first
+                            )
                             if timeout is not None:
-                                timeout.reschedule(loop.time() + settings.idle_timeout)  # type: ignore[operator]
-                            if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
-                                continue
-                            structural = isinstance(event, PartEndEvent) and isinstance(event.part, PaiToolCallPart)
-                            if isinstance(event, PartEndEvent):
-                                if isinstance(event.part, PaiThinkingPart):
-                                    self._reasoning_end(event.part, model.provider_name)
-                            else:
-                                count += 1
-                                self._on_event(event, operation, state, model.provider_name)
-                            if structural or count >= every:
-                                count = 0
-                                # the first-output phase rides along with the next commit
-                                first, state["first_pending"] = state["first_pending"], None
-                                await self.owned.checkpoint(
-                                    [*base, *canonical_parts(stream.get(), model.provider_name)], first
-                                )
+                                timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
                     return stream.get()
             except TimeoutError as error:
                 if timeout is not None and timeout.expired():
@@ -796,6 +822,7 @@ class _Execution:
                 tool_name=call.tool_name,
                 context=tool.parse_context(self.env.context),
                 report_progress=self._progress_reporter(call),
+                _durability=self.env.settings.step_durability,
             )
             output = _json_safe(await tool.call(ctx, args))
             await self._lifecycle.after(info, output)  # type: ignore[misc]
@@ -1072,7 +1099,28 @@ class _Execution:
             )
         )
 
+    async def _renew_lease(self) -> None:
+        """Keep the lease alive while executing; losing the run stops the loop (the next write fails)."""
+        assert self.env.lease is not None
+        duration, expiry = self.env.lease
+        while True:
+            await asyncio.sleep(duration / 3)
+            try:
+                await self.owned.renew(expiry())
+            except (_FenceLost, _Failure):
+                return  # the run is no longer ours to keep alive: the loop's next owned write finds out
+
     async def execute(self) -> RunOutcome:
+        renewal = asyncio.ensure_future(self._renew_lease()) if self.env.lease is not None else None
+        try:
+            return await self._execute()
+        finally:
+            if renewal is not None:
+                renewal.cancel()
+                with contextlib.suppress(BaseException):
+                    await renewal
+
+    async def _execute(self) -> RunOutcome:
         cause: BaseException | None = None
         policy_name: str | None = None
         try:

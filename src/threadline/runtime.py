@@ -14,6 +14,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -77,6 +78,10 @@ class RunsConfig:
     input_policy: str | Callable[[AgentRuntimeInput], str] = "queue"
     coalesce_pending: bool = False
     owner_id: str | None = None
+    lease_duration: float | None = None
+    """Seconds: when set, an executing run carries a lease (``lease_expires_at``) that this runtime renews
+    every third of it; another process may take the run over only once the lease expired (see
+    :func:`takeover_expired_leases`)."""
 
 
 @dataclass
@@ -91,6 +96,9 @@ class LoopConfig:
     tool_lifecycle: AgentToolLifecycle | None = None
     tool_approval: Callable[..., Any] | Collection[str] | None = None
     tool_approval_secret: str | bytes | None = None
+    step_durability: Any = None
+    """Behind ``ctx.step`` in tools, e.g. ``create_local_step_durability("steps.db")``; the application
+    creates and closes it."""
 
 
 @dataclass
@@ -297,6 +305,7 @@ class AgentRuntime:
             tool_lifecycle=loop_config.tool_lifecycle,
             tool_approval=loop_config.tool_approval,
             tool_approval_secret=loop_config.tool_approval_secret,
+            step_durability=loop_config.step_durability,
         )
         if loop_config.tool_approval is not None and not loop_config.tool_approval_secret:
             raise AgentRuntimeUsageError("loop.tool_approval needs loop.tool_approval_secret to sign requests")
@@ -548,6 +557,7 @@ class AgentRuntime:
                     run_id=run.id,
                     expected_revision=run.revision,
                     owner_id=self.owner_id,
+                    lease_expires_at=self._lease_expiry(),
                 )
             )
         except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
@@ -590,6 +600,7 @@ class AgentRuntime:
             publish=self.publish,
             operator_publish=self.operator_publish,
             sequences=self._sequences,
+            lease=(self.runs.lease_duration, self._lease_expiry) if self.runs.lease_duration else None,
             view=self._view(run.conversation_id),
             projection_options=self.projection_options,
             _options_by_provider=self._options_by_provider,
@@ -687,6 +698,11 @@ class AgentRuntime:
             return
         self._publish_run_state(abandoned.run, abandoned.version)
         self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+
+    def _lease_expiry(self) -> datetime | None:
+        if self.runs.lease_duration is None:
+            return None
+        return datetime.now(UTC) + timedelta(seconds=self.runs.lease_duration)
 
     async def _resolve_model(self, ctx: AgentPromptContext) -> AgentModelDescriptor:
         resolved = await self._call_hook(self._resolve, ctx)
@@ -983,6 +999,22 @@ class AgentRuntime:
             except RuntimeError as error:  # ended before acquisition (absorbed, abandoned elsewhere)
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
         return outcomes
+
+
+def takeover_expired_leases(
+    *, now: Callable[[], datetime] = lambda: datetime.now(UTC), replay_safe: bool = True
+) -> Callable[[Run], dict[str, Any]]:
+    """A ``recover(policy=...)`` for many processes: an acquired run whose lease expired is requeued (and
+    then acquired here with a higher fencing token, so the old owner can no longer checkpoint, apply a
+    tool result or commit a terminal); a run with a live lease, or none, is skipped. ``replay_safe`` is the
+    application's statement that re-running such a run is acceptable (tool effects may repeat)."""
+
+    def policy(run: Run) -> dict[str, Any]:
+        if run.lease_expires_at is not None and run.lease_expires_at <= now():
+            return {"action": "requeue", "replay_safe": replay_safe}
+        return {"action": "skip"}
+
+    return policy
 
 
 def create_agent_runtime(

@@ -230,14 +230,6 @@ async def test_a_hanging_stream_ends_in_timeout_and_the_client_hangs_up(
     assert server.requests[0].client_disconnected and server.disconnects == [0]
 
 
-@pytest.mark.xfail(
-    raises=TimeoutError,
-    reason=(
-        "loop bug: the idle timeout only wraps the event pulls, but pydantic-ai's request_stream() waits for the "
-        "response headers and peeks the first SSE chunk inside its __aenter__, which the loop awaits outside "
-        "asyncio.timeout: a provider that never sends its first chunk hangs the run for ever"
-    ),
-)
 @pytest.mark.parametrize("headers", [True, False], ids=["headers-then-silence", "no-headers"])
 async def test_a_provider_silent_before_its_first_chunk_ends_in_timeout(
     server: FaultProviderServer, headers: bool

@@ -1,17 +1,26 @@
-"""``threadline demo``: the durable store, driven directly, on a real SQLite file.
+"""``threadline demo``: the runtime at work, offline, on a real SQLite file.
 
-Until the runtime loop exists this demo plays the executor itself: it admits inputs, acquires runs,
-checkpoints simulated assistant tokens and commits terminals through :class:`AgentRuntimeStore`, then closes
-the file, reopens it and reads everything back. Every scene checks the fact it shows; a failed check raises
-:class:`DemoCheckFailed` instead of printing something untrue.
+Every run goes through the real runtime (admission, lanes and input policies, the step loop, tools behind
+the fence, checkpoints, terminal commits, recovery) with threadline's built-in scripted model instead of a
+provider. What happens is decided by events, never by timing: the scripted model pauses mid-answer on a
+gate the demo opens, and ``--pace`` only slows the words down for the eye. Every scene checks the fact it
+shows; a failed check raises :class:`DemoCheckFailed` instead of printing something untrue.
+
+Scenes: (1) one answer streamed live with a tool call; (2) the five input policies side by side on the
+same three inputs, each policy in its own conversation; (3) a child process killed with SIGKILL
+mid-answer, and the recovery that answers its pending inputs; (4) a table of every run of this demo, read
+back from the database, with usage and its provenance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import sys
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,25 +30,33 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from ..records import Message, MessageDraft, Run, TextPart
-from ..store.aggregate import AgentConversationReader, AgentRuntimeStore
+from ..errors import ThreadlineError
+from ..history.projection import INTERRUPTED_MARKER
+from ..runtime import AgentRuntime, AgentRuntimeResult, AgentRuntimeTicket
+from ..store.aggregate import AgentRuntimeStore
+from ..usage import AgentUsage
+from .common import build_runtime, lookup_tool, open_store
+from .render import StreamPrinter, reason_markup, short, text_of, usage_text
+from .scripted import ScriptedModel
 
-OWNER = "demo-worker"
-"""The owner id this demo acquires runs as (a runtime would use one per process)."""
-
-QUESTIONS = (
-    "What is a durable run?",
-    "And what happens if the process crashes?",
-    "Also: can a stale worker still write?",
-)
-URGENT = "Stop — summarise in one line instead!"
-ANSWER_A = "A durable run is a model turn whose every state change is committed before anyone sees it."
-ANSWER_C = "Summary: durable runs survive crashes and"
-ANSWER_B = "Nothing accepted is lost: recovery requeues or abandons it, and fencing tokens stop stale workers."
+CONTEXT = {"user": "demo"}
+INPUTS = ("Plan a day in Lisbon.", "Also suggest a restaurant.", "Actually, make it Porto.")
+MARKS = ("①", "②", "③")
+POLICIES = ("queue", "interrupt", "interrupt-next", "supersede", "inject")
+CRASH_INPUTS = ("Plan a day in Lisbon.", "Also suggest a restaurant.")
+CHILD_HOLD_AT_WORD = 8
+"""The crash child stops streaming after this many words, once they are checkpointed, and waits to die."""
+CHILD_CHECKPOINT_EVERY = 4
+CHILD_TIMEOUT = 60.0
+"""Seconds the parent waits for the child to reach its point (a broken build fails instead of hanging)."""
 
 
 class DemoCheckFailed(Exception):
-    """A fact the demo shows did not hold (the store disagreed with what the scene expected)."""
+    """A fact the demo shows did not hold (the runtime or the store disagreed with the scene)."""
+
+
+class NotThisDemo(ThreadlineError):
+    """Recovery met a run of a conversation this demo did not create: it is left alone."""
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -47,265 +64,419 @@ def _expect(condition: bool, what: str) -> None:
         raise DemoCheckFailed(what)
 
 
-def short(run_id: str) -> str:
-    """``run_4f0c1a2b…`` → ``run_4f0c1a``: enough to tell runs apart on screen."""
-    prefix, _, rest = run_id.partition("_")
-    return f"{prefix}_{rest[:6]}" if rest else run_id[:10]
-
-
-def text_of(message: Message | None) -> str:
-    if message is None:
-        return ""
-    return "".join(getattr(p, "text", "") for p in message.parts if p.type == "text")
-
-
-@asynccontextmanager
-async def open_store(path: Path) -> AsyncIterator[tuple[AgentRuntimeStore, AgentConversationReader]]:
-    """Open the SQLite store at ``path``; closed on exit."""
-    from ..store.sqlite import create_sqlite_agent_runtime_store
-
-    async with create_sqlite_agent_runtime_store(filename=str(path)) as handle:
-        yield handle.store, handle.conversations
-
-
-def _draft(text: str) -> MessageDraft:
-    return MessageDraft(id=f"msg_{uuid.uuid4().hex}", role="user", parts=(TextPart(text=text),))
-
-
-class Demo:
-    """The executor this demo plays: thin helpers over the store calls each scene makes."""
-
-    def __init__(self, console: Console, store: AgentRuntimeStore, conversation_id: str, pace: float) -> None:
-        self.console = console
-        self.store = store
-        self.conversation_id = conversation_id
-        self.pace = pace
-        self.labels: dict[str, str] = {}
-
-    def label(self, run: Run, letter: str) -> None:
-        self.labels[run.id] = letter
-
-    def name(self, run_id: str) -> str:
-        """``run A (run_4f0c1a)``: a letter to follow the story, the stored id to check it."""
-        letter = self.labels.get(run_id)
-        return f"run {letter} [dim]({short(run_id)})[/]" if letter else f"run {short(run_id)}"
-
-    def say(self, markup: str) -> None:
-        self.console.print(markup)
-
-    def ok(self, markup: str) -> None:
-        self.console.print(f"[green]✓[/] {markup}")
-
-    async def accept(self, key: str, draft: MessageDraft, **options: Any) -> Any:
-        return await self.store.accept_input_and_assign_run(
-            conversation_id=self.conversation_id, idempotency_key=key, input=draft, **options
-        )
-
-    async def acquire(self, run: Run) -> Run:
-        result = await self.store.acquire_run(
-            conversation_id=self.conversation_id, run_id=run.id, expected_revision=run.revision, owner_id=OWNER
-        )
-        return result.run
-
-    async def stream(self, run: Run, answer: str, *, every: int = 4, stop_after: int | None = None) -> Run:
-        """Print ``answer`` word by word as if streamed, checkpointing the growing draft every ``every`` words."""
-        words = answer.split(" ")
-        if stop_after is not None:
-            words = words[:stop_after]
-        self.console.print("  [bold magenta]assistant ▸[/] ", end="")
-        checkpoints = 0
-        for i, word in enumerate(words, start=1):
-            self.console.print(escape(word if i == 1 else f" {word}"), end="")
-            if self.pace:
-                await asyncio.sleep(self.pace)
-            if i % every == 0 or i == len(words):
-                result = await self.store.checkpoint_run_assistant(
-                    conversation_id=self.conversation_id,
-                    run_id=run.id,
-                    expected_revision=run.revision,
-                    owner_id=OWNER,
-                    fencing_token=run.fencing_token,
-                    parts=[TextPart(text=" ".join(words[:i]))],
-                )
-                run = result.run
-                checkpoints += 1
-                _expect(result.assistant is not None and result.assistant.status == "streaming", "draft is streaming")
-                self.console.print(" [dim]⟨saved⟩[/]", end="")
-        self.console.print()
-        self.say(f"  [dim]{checkpoints} checkpoints of the streaming draft, run revision now {run.revision}[/]")
-        return run
-
-    async def commit(self, run: Run, reason: str, final_text: str | None = None) -> Any:
-        return await self.store.commit_run_terminal(
-            conversation_id=self.conversation_id,
-            run_id=run.id,
-            expected_revision=run.revision,
-            owner_id=OWNER,
-            fencing_token=run.fencing_token,
-            terminal_reason=reason,
-            parts=None if final_text is None else [TextPart(text=final_text)],
-        )
-
-    async def active_runs(self) -> tuple[Run, ...]:
-        return (await self.store.list_active_runs(conversation_id=self.conversation_id)).runs
-
-
 def _rule(console: Console, title: str) -> None:
     console.print()
     console.rule(f"[bold]{title}[/]", align="left")
 
 
-async def _count_conversations(reader: AgentConversationReader) -> int:
-    count, cursor = 0, None
-    while True:
-        page = await reader.list(limit=1000, cursor=cursor)
-        count += len(page.items)
-        if page.next_cursor is None:
-            return count
-        cursor = page.next_cursor
+@dataclass
+class Entry:
+    """One run of this demo, for the final table."""
+
+    scene: str
+    conversation_id: str
+    label: str
+    run_id: str
+    result: AgentRuntimeResult | None = None
+
+
+@dataclass
+class Book:
+    """Every run this demo started, in order, and how each is labelled on screen."""
+
+    entries: list[Entry] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def add(self, scene: str, conversation_id: str, label: str, run_id: str) -> Entry:
+        self.labels[run_id] = label
+        entry = Entry(scene, conversation_id, label, run_id)
+        self.entries.append(entry)
+        return entry
+
+    def label(self, run_id: str) -> str:
+        return self.labels.get(run_id, short(run_id))
+
+
+class Demo:
+    def __init__(self, console: Console, store: AgentRuntimeStore, db: Path, prefix: str, pace: float) -> None:
+        self.console = console
+        self.store = store
+        self.db = db
+        self.prefix = prefix
+        self.pace = pace
+        self.book = Book()
+        self.printer = StreamPrinter(console, label=self.book.label)
+
+    def runtime(self, model: ScriptedModel, policy: str = "queue", *, tools: bool = True) -> AgentRuntime:
+        return build_runtime(
+            self.store,
+            model.model,
+            model_name="scripted",
+            policy=policy,
+            tools=[lookup_tool()] if tools else [],
+            publish=self.printer,
+        )
+
+    async def submit(
+        self, runtime: AgentRuntime, scene: str, conversation_id: str, key: str, text: str, mark: str
+    ) -> tuple[AgentRuntimeTicket, Entry]:
+        ticket = runtime.submit(
+            conversation_id=conversation_id,
+            idempotency_key=key,
+            context=CONTEXT,
+            parts=[{"type": "text", "text": text}],
+        )
+        admission = await ticket.accepted
+        entry = self.book.add(scene, conversation_id, mark, admission.run_id)
+        return ticket, entry
+
+    # ------------------------------------------------------------------------------------ scene 1
+
+    async def stream_scene(self) -> None:
+        _rule(self.console, "1 · A streamed answer with a tool call")
+        conversation_id = f"{self.prefix}-stream"
+        model = ScriptedModel(pace=self.pace)
+        runtime = self.runtime(model)
+        self.console.print(f"  conversation [bold]{conversation_id}[/]")
+        self.printer.note(f"  ① [bold]{escape(INPUTS[0])}[/]")
+        ticket, entry = await self.submit(runtime, "stream", conversation_id, "s1", INPUTS[0], "①")
+        result = await ticket.result
+        entry.result = result
+        await runtime.close()
+        tools = [(name, status) for run_id, name, status in self.printer.tools if run_id == entry.run_id]
+        _expect(result.terminal_reason == "success", "the streamed run succeeded")
+        _expect(tools == [("lookup", "started"), ("lookup", "completed")], "the tool ran once, behind the fence")
+        _expect(text_of(result.assistant).endswith(self.printer.streamed[entry.run_id][-20:]), "stored = streamed")
+        self.printer.note(
+            f"  [green]✓[/] streamed live, tool status as it happened; the stored answer is what streamed "
+            f"({result.metrics.steps if result.metrics else '?'} steps: tool call, then the answer)"
+        )
+        self.printer.note(f"  [green]✓[/] usage: {usage_text(result.usage)}")
+
+    # ------------------------------------------------------------------------------------ scene 2
+
+    async def policy_column(self, policy: str) -> dict[str, Any]:
+        conversation_id = f"{self.prefix}-{policy}"
+        paused, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(call: int, words: int) -> None:
+            if call == 0 and words == -1:  # the first answer, just before its tool call
+                paused.set()
+                await release.wait()
+
+        model = ScriptedModel(pace=self.pace, hold=hold)
+        # ② is an ordinary follow-up (queued in every column); ③ arrives under the column's policy
+        runtime = self.runtime(model, lambda raw: policy if raw.idempotency_key == "p3" else "queue")
+        self.console.print()
+        self.console.print(f"  [bold reverse] {policy} [/]  conversation {conversation_id}")
+        self.printer.note(f"  ① [bold]{escape(INPUTS[0])}[/]")
+        t1, e1 = await self.submit(runtime, "policies", conversation_id, "p1", INPUTS[0], "①")
+        await asyncio.wait_for(paused.wait(), CHILD_TIMEOUT)
+        self.printer.note(f"  ② [bold]{escape(INPUTS[1])}[/] [dim](arrives mid-answer: queue)[/]")
+        t2, e2 = await self.submit(runtime, "policies", conversation_id, "p2", INPUTS[1], "②")
+        self.printer.note(f"  ③ [bold]{escape(INPUTS[2])}[/] [dim](arrives mid-answer: {policy})[/]")
+        t3, e3 = await self.submit(runtime, "policies", conversation_id, "p3", INPUTS[2], "③")
+        release.set()
+        results = [await t.result for t in (t1, t2, t3)]
+        for entry, result in zip((e1, e2, e3), results, strict=True):
+            entry.result = result
+        await runtime.close()
+        answered = [r for r in results if r.terminal_reason == "success"]
+        order = "".join(
+            self.book.label(r.run.id)
+            for r in sorted(answered, key=lambda r: r.run.terminal_at or datetime.max.replace(tzinfo=UTC))
+        )
+        # what the request right after ①'s run ended was shown of ①'s answer
+        later = model.prompts[1] if policy != "inject" else model.prompts[2]
+        shown = json.dumps([str(m) for m in later])
+        partial = text_of(results[0].assistant)
+        if INTERRUPTED_MARKER in shown:
+            saw = "partial + cut-off marker"
+        elif partial and partial in shown:
+            saw = "complete answer"
+        else:
+            saw = "nothing (left out)"
+        return {"policy": policy, "results": results, "order": order, "saw": saw, "calls": model.calls}
+
+    async def policies_scene(self) -> list[dict[str, Any]]:
+        _rule(self.console, "2 · Five input policies, side by side, on the same three inputs")
+        self.console.print(
+            "  Each policy gets its own conversation. ① is sent; while its answer streams (the scripted "
+            "model waits\n  on a gate the demo holds), ② arrives as an ordinary queued follow-up and ③ "
+            "arrives under the policy.\n  Then the gate opens."
+        )
+        columns = [await self.policy_column(policy) for policy in POLICIES]
+        by = {c["policy"]: c for c in columns}
+
+        def reasons(policy: str) -> list[str]:
+            return [r.terminal_reason for r in by[policy]["results"]]
+
+        _expect(reasons("queue") == ["success", "success", "success"], "queue: every input answered in turn")
+        _expect(by["queue"]["order"] == "①②③", "queue: answered in arrival order")
+        _expect(reasons("interrupt") == ["interrupted", "success", "success"], "interrupt ends ①'s run")
+        _expect(by["interrupt"]["order"] == "②③", "interrupt: ③ waits behind ②")
+        _expect(reasons("interrupt-next") == ["interrupted", "success", "success"], "interrupt-next ends ①'s run")
+        _expect(by["interrupt-next"]["order"] == "③②", "interrupt-next: ③ runs before the ordinary ②")
+        _expect(reasons("supersede") == ["superseded", "success", "success"], "supersede ends ①'s run")
+        _expect(reasons("inject") == ["success", "success", "absorbed"], "inject: ③ joins ①'s run")
+        _expect(by["interrupt"]["saw"] == "partial + cut-off marker", "interrupted partial kept and marked")
+        _expect(by["supersede"]["saw"] == "nothing (left out)", "superseded partial left out of the prompt")
+        inject_answer = text_of(by["inject"]["results"][0].assistant)
+        _expect("Porto" in inject_answer, "the injected ③ was answered by ①'s run")
+
+        table = Table(title="the same three inputs under each policy", title_justify="left")
+        for column in ("policy", "① Lisbon", "② restaurant", "③ Porto", "answers, in order", "① in later prompts"):
+            table.add_column(column)
+        for c in columns:
+            cells = []
+            for r in c["results"]:
+                cell = reason_markup(r.terminal_reason)
+                if r.terminal_reason == "absorbed":
+                    cell += " into ①"
+                cells.append(cell)
+            table.add_row(c["policy"], *cells, c["order"] or "—", c["saw"])
+        self.console.print()
+        self.console.print(table)
+        self.console.print(
+            "  [green]✓[/] queue answers all three in turn; interrupt and interrupt-next cut ① off (kept, marked) "
+            "— interrupt-next\n    runs ③ before ②; supersede drops ①'s partial from the prompt; inject lets ③ "
+            "join ①'s run (one answer)"
+        )
+        return columns
+
+    # ------------------------------------------------------------------------------------ scene 3
+
+    async def crash_scene(self) -> None:
+        _rule(self.console, "3 · A crash mid-answer, and the recovery")
+        conversation_id = f"{self.prefix}-crash"
+        self.console.print(
+            f"  A child process runs conversation {conversation_id}: ① streams, ② queues behind it, "
+            "and the child is\n  killed with SIGKILL mid-answer — no close, no cleanup."
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "threadline.cli",
+            "_demo-child",
+            "--db",
+            str(self.db),
+            "--conversation",
+            conversation_id,
+            "--pace",
+            str(self.pace),
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert child.stdout is not None and child.stderr is not None
+        ready: dict[str, Any] | None = None
+        checkpoint = ""
+        child_labels: dict[str, str] = {}
+        printer = StreamPrinter(self.console, label=lambda run_id: child_labels.get(run_id, short(run_id)))
+        try:
+            while ready is None:
+                line = await asyncio.wait_for(child.stdout.readline(), CHILD_TIMEOUT)
+                if not line:
+                    break
+                message = json.loads(line)
+                if message["event"] == "admitted":
+                    child_labels[message["run_id"]] = message["mark"]
+                    printer.note(f"  {message['mark']} [bold]{escape(message['text'])}[/] [dim](child)[/]")
+                elif message["event"] == "delta":
+                    printer(_Delta(message["run_id"], message["delta"]))
+                elif message["event"] == "checkpoint":
+                    checkpoint = message["text"]
+                    printer.console.print(" [dim]⟨saved⟩[/]", end="")
+                elif message["event"] == "ready":
+                    ready = message
+        except (TimeoutError, json.JSONDecodeError, KeyError) as error:
+            child.kill()
+            await child.wait()
+            raise DemoCheckFailed(f"the crash child did not reach its point: {error!r}") from None
+        if ready is None:
+            await child.wait()
+            err = (await child.stderr.read()).decode(errors="replace").strip().splitlines()
+            raise DemoCheckFailed(f"the crash child exited early ({child.returncode}): {err[-1] if err else ''}")
+        child.send_signal(signal.SIGKILL)
+        status = await child.wait()
+        printer.note(f"  [red]✗ killed[/] child pid {child.pid} with SIGKILL (exit status {status}) mid-answer")
+        _expect(status == -signal.SIGKILL, "the child died of SIGKILL")
+
+        first, second = ready["runs"]
+        for run_id, mark in ((first, "①"), (second, "②")):
+            self.book.labels[run_id] = mark
+        active = await self.store.list_active_runs(conversation_id=conversation_id)
+        states = {r.id: r for r in active.runs}
+        _expect(first in states and states[first].state == "running", "① is still 'running' on disk")
+        _expect(second in states and states[second].state == "queued", "② is queued behind it")
+        snapshot = await self.store.load_snapshot(conversation_id=conversation_id)
+        draft = next(m for m in snapshot.messages if m.id == states[first].assistant_message_id)
+        _expect(draft.status == "streaming" and text_of(draft) == checkpoint, "the last checkpoint is on disk")
+        self.console.print(
+            f"  on disk: ① [yellow]running[/] (owner {escape(states[first].owner_id or '?')}, fencing token "
+            f"{states[first].fencing_token}), draft '{escape(text_of(draft))}' ({draft.status}); ② [yellow]queued[/]"
+        )
+        self.console.print(
+            "  recovery: runtime.recover(policy=…) — ①'s owner is dead and ① invoked no tool, so replaying its "
+            "model\n  request is safe: requeue it (replay_safe=True); ② resumes after it."
+        )
+
+        model = ScriptedModel(pace=self.pace)
+        runtime = build_runtime(self.store, model.model, model_name="scripted", publish=self.printer)
+
+        def resolve_context(run: Any) -> Any:
+            if run.conversation_id != conversation_id:
+                raise NotThisDemo(f"{run.conversation_id} is not this demo's")
+            return CONTEXT
+
+        def policy(run: Any) -> dict[str, Any]:
+            if run.conversation_id != conversation_id:
+                return {"action": "skip"}
+            return {"action": "requeue", "replay_safe": True}
+
+        outcomes = await runtime.recover(resolve_context=resolve_context, policy=policy)
+        mine = [o for o in outcomes if o.conversation_id == conversation_id]
+        _expect([(o.run_id, o.outcome) for o in mine] == [(first, "requeued"), (second, "resumed")], "recovery plan")
+        for o in mine:
+            self.printer.note(f"  recover → {self.book.label(o.run_id)} [bold]{o.outcome}[/]")
+        results = []
+        for o, mark in zip(mine, ("①", "②"), strict=True):
+            assert o.result is not None
+            result = await o.result
+            results.append(result)
+            entry = self.book.add("crash", conversation_id, mark, o.run_id)
+            entry.result = result
+        await runtime.close()
+        _expect([r.terminal_reason for r in results] == ["success", "success"], "both inputs answered")
+        _expect(text_of(results[0].assistant).startswith("A day in Lisbon"), "① answered in full")
+        others = len(outcomes) - len(mine)
+        left = f"; {others} run(s) of other conversations left alone" if others else ""
+        self.printer.note(
+            f"  [green]✓[/] recovered: ① requeued and answered in full, ② answered after it — nothing accepted "
+            f"was lost{left}"
+        )
+
+    # ------------------------------------------------------------------------------------ scene 4
+
+    async def runs_table(self) -> None:
+        _rule(self.console, "4 · Every run of this demo, read back from the database")
+        table = Table(title_justify="left")
+        for column in ("scene", "conversation", "input", "run", "state", "terminal reason", "usage (provenance)"):
+            table.add_column(column)
+        for entry in self.book.entries:
+            loaded = await self.store.load_run(conversation_id=entry.conversation_id, run_id=entry.run_id)
+            _expect(loaded is not None, f"run {entry.run_id} is on disk")
+            assert loaded is not None
+            run = loaded.run
+            usage = entry.result.usage if entry.result is not None else AgentUsage()
+            if run.terminal_reason == "absorbed":
+                spend = "answered by ①'s run (its usage)"
+            else:
+                spend = usage_text(usage)
+            table.add_row(
+                entry.scene,
+                entry.conversation_id.removeprefix(self.prefix + "-"),
+                entry.label,
+                short(run.id),
+                run.state,
+                reason_markup(run.terminal_reason),
+                spend,
+            )
+        self.console.print(table)
+        self.console.print(
+            "  Usage is what this process's executor reported for each run (not stored): the scripted model "
+            "reports\n  word-count estimates as its token usage, and has no price, so cost stays 'unavailable' "
+            "(never 0).\n  The crashed child's spend before the kill died with it."
+        )
+        self.console.print(
+            f"[green]✓[/] {len(self.book.entries)} runs, each with exactly one terminal reason. "
+            f"Look around: [bold]threadline inspect runs --db {escape(str(self.db))}[/]"
+        )
+
+
+@dataclass
+class _Delta:
+    """A child's streamed delta, replayed through the printer."""
+
+    run_id: str
+    delta: str
+    type: str = "assistant-delta"
 
 
 async def run_demo(console: Console, db: Path, *, pace: float = 0.03) -> None:
-    """Run every scene against the SQLite file ``db`` with a fresh conversation id."""
+    """Run every scene against the SQLite file ``db`` with fresh conversation ids."""
     path = db.expanduser().resolve()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-    conversation_id = f"demo-{stamp}-{uuid.uuid4().hex[:4]}"
-
-    async with open_store(path) as (store, _reader):
-        console.print(
-            Panel(
-                "This demo drives the durable [bold]store[/] directly — [bold]no model yet[/] (the runtime loop "
-                "comes later). It plays the executor itself and the assistant tokens are simulated, but every "
-                "[green]✓[/] line states what the store returned from a committed SQLite transaction.",
-                title="threadline demo",
-                expand=False,
-            )
+    prefix = f"demo-{stamp}-{uuid.uuid4().hex[:4]}"
+    console.print(
+        Panel(
+            "Everything below runs through the real threadline runtime on a real SQLite file — offline, with "
+            "[bold]a built-in scripted model[/] instead of a provider (no network, no API key). The scripted "
+            "model reads its prompt and answers from a script; it pauses mid-answer on gates the demo holds, "
+            "so every outcome is decided by events, not timing. Every [green]✓[/] line is a checked fact.\n"
+            "For a real model: [bold]threadline chat --model openai:gpt-4.1-mini[/]",
+            title="threadline demo",
+            expand=False,
         )
-        console.print(f"database      {escape(str(path))}")
-        console.print(f"conversation  {conversation_id}")
+    )
+    console.print(f"database  {escape(str(path))}")
+    async with open_store(path, None) as opened:
+        demo = Demo(console, opened.store, path, prefix, pace)
+        await demo.stream_scene()
+        await demo.policies_scene()
+        await demo.crash_scene()
+        await demo.runs_table()
 
-        demo = Demo(console, store, conversation_id, pace)
-        drafts = [_draft(q) for q in QUESTIONS]
-        keys = [f"input-{i}" for i in range(1, 4)]
 
-        # ------------------------------------------------------------------ scene 1: coalescing
-        _rule(console, "Scene 1 · three inputs while a run is running")
-        first = await demo.accept(keys[0], drafts[0], coalesce=True)
-        run_a = first.run
-        demo.label(run_a, "A")
-        demo.say(f"  input 1 {QUESTIONS[0]!r} → {demo.name(run_a.id)} [yellow]{run_a.state}[/]")
-        run_a = await demo.acquire(run_a)
-        _expect(run_a.state == "running", "run A is running after acquire")
-        demo.say(f"  {demo.name(run_a.id)} acquired: [cyan]{run_a.state}[/], fencing token {run_a.fencing_token}")
-        second = await demo.accept(keys[1], drafts[1], coalesce=True)
-        run_b = second.run
-        demo.label(run_b, "B")
-        _expect(not second.coalesced and run_b.id != run_a.id, "input 2 opens a new queued successor")
-        demo.say(f"  input 2 → new queued successor {demo.name(run_b.id)}")
-        third = await demo.accept(keys[2], drafts[2], coalesce=True)
-        _expect(third.coalesced and third.run.id == run_b.id, "input 3 coalesces into the successor")
-        demo.say(f"  input 3 → [bold]coalesced[/] into {demo.name(third.run.id)}")
-        active = await demo.active_runs()
-        queued = [r for r in active if r.state == "queued"]
-        _expect(len(queued) == 1 and len(queued[0].input_message_ids) == 2, "one queued successor with two inputs")
-        run_b = queued[0]
-        demo.ok(
-            f"inputs 2 and 3 coalesced into ONE queued successor: run B holds {len(run_b.input_message_ids)} inputs"
+# --------------------------------------------------------------------------------------- the child
+
+
+def _emit(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def run_demo_child(db: Path, conversation_id: str, *, pace: float) -> None:
+    """The crash scene's child: stream ①, queue ② behind it, then wait to be killed (it never ends by
+    itself). Speaks JSON lines on stdout: ``admitted``, ``delta``, ``checkpoint``, ``ready``."""
+    held = asyncio.Event()
+
+    async def hold(call: int, words: int) -> None:
+        if call == 0 and words == CHILD_HOLD_AT_WORD:
+            held.set()
+            await asyncio.Event().wait()  # mid-answer, for ever: the parent kills this process
+
+    def publish(event: Any) -> None:
+        if event.type == "assistant-delta":
+            _emit({"event": "delta", "run_id": event.run_id, "delta": event.delta})
+        elif event.type == "assistant-checkpoint":
+            _emit({"event": "checkpoint", "run_id": event.run_id, "text": "".join(
+                p.text for p in event.parts if p.type == "text")})
+
+    model = ScriptedModel(pace=pace, hold=hold)
+    async with open_store(db, None) as opened:
+        runtime = build_runtime(
+            opened.store,
+            model.model,
+            model_name="scripted",
+            publish=publish,
+            owner_id=f"demo-child-{os.getpid()}",
+            checkpoint_every_events=CHILD_CHECKPOINT_EVERY,
         )
-
-        # ------------------------------------------------------------------ scene 2: streaming + terminal
-        _rule(console, "Scene 2 · run A streams its answer, checkpointed as it grows")
-        run_a = await demo.stream(run_a, ANSWER_A)
-        done = await demo.commit(run_a, "success")
-        _expect(done.outcome == "committed" and done.run.state == "completed", "run A committed success")
-        _expect(done.assistant is not None and done.assistant.status == "completed", "run A's assistant completed")
-        demo.ok(f"terminal 'success' committed: run A [green]{done.run.state}[/], assistant {done.assistant.status}")
-
-        # ------------------------------------------------------------------ scene 3: urgent ordering
-        _rule(console, "Scene 3 · an urgent input while the successor is queued")
-        urgent = await demo.accept("input-urgent", _draft(URGENT), priority="urgent", input_policy="interrupt-next")
-        run_c = urgent.run
-        demo.label(run_c, "C")
-        demo.say(f"  urgent input 4 {URGENT!r} → {demo.name(run_c.id)}")
-        order = await demo.active_runs()
-        demo.say("  execution order from list_active_runs:")
-        for i, r in enumerate(order, start=1):
-            demo.say(
-                f"    {i}. {demo.name(r.id)}  {r.priority:<8} {r.input_policy:<14} "
-                f"admitted #{r.admission_sequence}, {len(r.input_message_ids)} input(s)"
+        runs = []
+        for i, (text, mark) in enumerate(zip(CRASH_INPUTS, ("①", "②"), strict=True)):
+            ticket = runtime.submit(
+                conversation_id=conversation_id,
+                idempotency_key=f"x{i + 1}",
+                context=CONTEXT,
+                parts=[{"type": "text", "text": text}],
             )
-        _expect([r.id for r in order] == [run_c.id, run_b.id], "urgent run before the ordinary successor")
-        demo.ok("urgent before ordinary: run C runs before run B, although B was admitted first")
-
-        # ------------------------------------------------------------------ scene 4: durable interrupt
-        _rule(console, "Scene 4 · a durable interrupt")
-        run_c = await demo.acquire(run_c)
-        demo.say(f"  {demo.name(run_c.id)} acquired: [cyan]{run_c.state}[/]")
-        run_c = await demo.stream(run_c, ANSWER_C, every=3)
-        asked = await store.request_run_interrupt(conversation_id=conversation_id, run_id=run_c.id)
-        _expect(asked.outcome == "requested" and asked.run.state == "interrupt_requested", "interrupt recorded")
-        demo.say(f"  request_run_interrupt (any process may ask) → run C [red]{asked.run.state}[/]")
-        seen = await store.load_run(conversation_id=conversation_id, run_id=run_c.id)
-        _expect(seen is not None and seen.run.state == "interrupt_requested", "executor sees the durable request")
-        assert seen is not None
-        stopped = await demo.commit(seen.run, "interrupted")
-        _expect(stopped.run.state == "interrupted", "run C is interrupted")
-        _expect(stopped.assistant is not None and stopped.assistant.status == "interrupted", "assistant interrupted")
-        demo.say("  the executor sees the request (load_run) at its next boundary and stops")
-        demo.ok(
-            f"committed 'interrupted': run C [red]{stopped.run.state}[/], assistant status '{stopped.assistant.status}'"
-        )
-        demo.say("  now the queued successor run B answers inputs 2 and 3 in one turn:")
-        run_b = await demo.acquire(run_b)
-        run_b = await demo.stream(run_b, ANSWER_B)
-        answered = await demo.commit(run_b, "success")
-        _expect(answered.run.state == "completed", "run B completed")
-        demo.ok(f"run B [green]{answered.run.state}[/]: one answer for {len(run_b.input_message_ids)} inputs")
-
-        # ------------------------------------------------------------------ scene 5: idempotent retry
-        _rule(console, "Scene 5 · a client retries an input that was already answered")
-        retry = await demo.accept(keys[0], drafts[0], coalesce=True)
-        _expect(retry.outcome == "duplicate" and retry.run.id == run_a.id, "the retry is a duplicate of input 1")
-        _expect(text_of(retry.answer) == ANSWER_A, "the duplicate carries the original answer")
-        demo.say(f"  the same idempotency key {keys[0]!r} and input again → outcome [bold]'{retry.outcome}'[/]")
-        demo.ok(f"duplicate: nothing written; the original run A and its answer: {text_of(retry.answer)!r}")
-
-    # ---------------------------------------------------------------------- scene 6: reopen from disk
-    _rule(console, "Scene 6 · closed, reopened, read back from disk")
-    async with open_store(path) as (store, reader):
-        snapshot = await store.load_snapshot(conversation_id=conversation_id)
-        runs = sorted(snapshot.runs, key=lambda r: r.admission_sequence)
-        _expect([r.id for r in runs] == [run_a.id, run_b.id, run_c.id], "three runs read back")
-        table = Table(title="runs, read back from disk", title_justify="left")
-        for column in ("", "run", "state", "terminal_reason", "priority", "inputs"):
-            table.add_column(column)
-        for r in runs:
-            table.add_row(
-                demo.labels.get(r.id, "?"),
-                short(r.id),
-                r.state,
-                r.terminal_reason or "—",
-                r.priority,
-                str(len(r.input_message_ids)),
-            )
-        console.print(table)
-
-        page = await reader.messages(conversation_id, limit=50)
-        history = Table(title="message history (conversations.messages)", title_justify="left")
-        for column in ("pos", "run", "role", "status", "text"):
-            history.add_column(column)
-        for m in page.items:
-            history.add_row(
-                str(m.position) if m.position is not None else "—",
-                demo.labels.get(m.run_id or "", "—"),
-                m.role,
-                m.status,
-                escape(text_of(m)),
-            )
-        console.print(history)
-        _expect(len(page.items) == 7, "four inputs and three answers read back")
-        total = await _count_conversations(reader)
-        console.print(
-            f"[green]✓[/] read back {len(runs)} runs and {len(page.items)} messages; "
-            f"{escape(path.name)} holds {total} conversation(s)"
-        )
+            admission = await ticket.accepted
+            runs.append(admission.run_id)
+            _emit({"event": "admitted", "run_id": admission.run_id, "mark": mark, "text": text})
+            if i == 0:
+                await held.wait()
+        _emit({"event": "ready", "runs": runs})
+        await asyncio.Event().wait()

@@ -76,8 +76,8 @@ def _parts(value: Sequence[Part | Mapping[str, Any]] | None, field: str) -> tupl
 
 
 def _require_text(value: object, field: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise AgentRecordValidationError(f"{field} is a non-empty string, got {value!r}", field=field)
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise AgentRecordValidationError(f"{field} is a non-empty string without NUL, got {value!r}", field=field)
 
 
 class AgentRuntimeStore:

@@ -310,7 +310,8 @@ class FaultProviderServer:
 
     async def start(self) -> FaultProviderServer:
         if self._server is not None:
-            raise RuntimeError("the fault provider server is already started")
+            raise AgentRuntimeUsageError("the fault provider server is already started")
+        self._closing = False
         self._server = await asyncio.start_server(self._connection, LOOPBACK, 0, limit=MAX_HEADER_BYTES)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -340,7 +341,7 @@ class FaultProviderServer:
     def base_url(self) -> str:
         """``http://127.0.0.1:<port>/v1``, what an OpenAI client takes as its base URL."""
         if self.port is None:
-            raise RuntimeError("the fault provider server is not started (use `async with`)")
+            raise AgentRuntimeUsageError("the fault provider server is not started (use `async with`)")
         return f"http://{LOOPBACK}:{self.port}/v1"
 
     # ------------------------------------------------------------------------------------- script

@@ -1,0 +1,180 @@
+"""What the commands share: opening a store (``--db`` or ``--dsn``), choosing a model (the built-in scripted
+one, a pydantic-ai model name, or an OpenAI-compatible server), the tools, and building a runtime."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..coordinator import INPUT_POLICIES
+from ..errors import AgentStoreUnavailableError, ThreadlineError
+from ..models import AgentModelUnavailableError, define_model_registry
+from ..protocol import define_agent_protocol
+from ..runtime import AgentRuntime, create_agent_runtime
+from ..store.aggregate import AgentConversationReader, AgentRuntimeStore
+from ..tools import AgentTool, define_agent_tool
+from .scripted import NOTES, ScriptedModel
+
+DEFAULT_DB = Path("threadline.db")
+POLICY_HELP = "Input policy for text typed while the model answers: " + ", ".join(INPUT_POLICIES) + "."
+
+
+class CliContext(BaseModel):
+    """The context every run of the ``threadline`` command carries."""
+
+    user: str = "cli"
+
+
+class CliUsageError(ThreadlineError):
+    """A bad invocation the command reports in one line (an unknown policy, ``--db`` with ``--dsn``…)."""
+
+
+def check_policy(policy: str) -> str:
+    if policy not in INPUT_POLICIES:
+        raise CliUsageError(f"unknown policy {policy!r}; choose one of: {', '.join(INPUT_POLICIES)}")
+    return policy
+
+
+# ------------------------------------------------------------------------------------------- stores
+
+
+@dataclass
+class OpenStore:
+    store: AgentRuntimeStore
+    conversations: AgentConversationReader
+    where: str
+
+
+@asynccontextmanager
+async def open_store(db: Path | None, dsn: str | None, *, create: bool = True) -> AsyncIterator[OpenStore]:
+    """Open the SQLite file ``db`` (default ``./threadline.db``) or the PostgreSQL database ``dsn``.
+    With ``create=False`` a missing SQLite file is an error instead of a new database."""
+    if db is not None and dsn is not None:
+        raise CliUsageError("pass --db or --dsn, not both")
+    if dsn is not None:
+        try:
+            from ..store.postgres import create_postgres_agent_runtime_store
+        except ImportError:
+            raise CliUsageError("PostgreSQL support needs psycopg: pip install 'threadline[postgres]'") from None
+        async with create_postgres_agent_runtime_store(dsn=dsn) as pg:
+            yield OpenStore(pg.store, pg.conversations, f"PostgreSQL {pg.driver.where}")
+        return
+    from ..store.sqlite import create_sqlite_agent_runtime_store
+
+    path = (db or DEFAULT_DB).expanduser()
+    if not create and not path.exists():
+        raise AgentStoreUnavailableError(f"no database at {path}")
+    async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
+        yield OpenStore(sqlite.store, sqlite.conversations, str(path.resolve()))
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+@dataclass
+class ModelChoice:
+    """The model a command runs with: ``model`` is a pydantic-ai ``Model`` or model name; ``label`` is what
+    the screen says about it."""
+
+    model: Any
+    label: str
+    scripted: ScriptedModel | None = None
+
+
+def choose_model(name: str | None, base_url: str | None, *, pace: float = 0.0) -> ModelChoice:
+    """The built-in scripted model (no ``--model``), a pydantic-ai model name such as
+    ``openai:gpt-4.1-mini``, or ``name`` served by the OpenAI-compatible server at ``base_url``."""
+    if base_url is not None:
+        if not name:
+            raise CliUsageError("--base-url needs --model NAME (the model's name on that server)")
+        from pydantic_ai.models.openai import OpenAIChatModel
+        from pydantic_ai.providers.openai import OpenAIProvider
+
+        bare = name.removeprefix("openai:")
+        provider = OpenAIProvider(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "not-needed"))
+        return ModelChoice(OpenAIChatModel(bare, provider=provider), f"{bare} at {base_url}")
+    if name:
+        return ModelChoice(name, name)
+    scripted = ScriptedModel(pace=pace)
+    return ModelChoice(scripted.model, "threadline's built-in scripted model (offline)", scripted)
+
+
+def first_sentence(message: str) -> str:
+    """The first sentence of an error message, on one line (pydantic-ai's credential errors go on with
+    advice that does not apply here)."""
+    one_line = " ".join(message.split())
+    head = re.split(r"(?<=[.!?])\s+(?=[A-Z])", one_line, maxsplit=1)[0]
+    return head or one_line
+
+
+def check_model(choice: ModelChoice, name: str) -> None:
+    """Build the model now (reads the provider's credentials), so a missing key is reported before
+    anything is written. Raises :class:`AgentModelUnavailableError` naming the environment variable."""
+    registry = define_model_registry(models={name: {"model": choice.model, "context_window": None}})
+    try:
+        registry.preflight(name)
+    except AgentModelUnavailableError as error:
+        raise AgentModelUnavailableError(first_sentence(str(error))) from None
+
+
+# -------------------------------------------------------------------------------------------- tools
+
+
+def lookup_tool() -> AgentTool:
+    @define_agent_tool
+    async def lookup(topic: str) -> str:
+        """Look up notes about a city (offline notes: Lisbon, Porto)."""
+        facts = NOTES.get(topic.strip().lower())
+        return f"{topic}: {facts}" if facts else f"{topic}: no notes"
+
+    return lookup
+
+
+def clock_tool() -> AgentTool:
+    @define_agent_tool
+    async def current_time() -> str:
+        """The current date and time (UTC)."""
+        return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+    return current_time
+
+
+# ------------------------------------------------------------------------------------------ runtime
+
+
+def build_runtime(
+    store: AgentRuntimeStore,
+    model: Any,
+    *,
+    model_name: str = "model",
+    policy: str | Callable[[Any], str] = "queue",
+    tools: Sequence[AgentTool] = (),
+    publish: Callable[[Any], Any] | None = None,
+    owner_id: str | None = None,
+    checkpoint_every_events: int = 20,
+    coalesce_pending: bool = False,
+    instructions: str = "You are a concise assistant. Answer in a few sentences.",
+) -> AgentRuntime:
+    """A runtime over ``store`` with one model (a pydantic-ai ``Model`` or name) and ``tools``."""
+    registry = define_model_registry(models={model_name: {"model": model, "context_window": None}})
+    runs: dict[str, Any] = {"input_policy": policy, "coalesce_pending": coalesce_pending}
+    if owner_id is not None:
+        runs["owner_id"] = owner_id
+    return create_agent_runtime(
+        protocol=define_agent_protocol(context=CliContext),
+        store=store,
+        models={"preflight": lambda: registry.preflight(model_name), "resolve": lambda: registry.resolve(model_name)},
+        prompt=lambda _ctx: instructions,
+        tools=list(tools),
+        runs=runs,
+        loop={"checkpoint_every_events": checkpoint_every_events},
+        publish=publish,
+    )

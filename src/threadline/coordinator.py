@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import AgentRunUnsettledError
+from .errors import AgentRunOwnershipConflictError, AgentRunUnsettledError
 from .loop import RunControl
 from .records import Run
 
@@ -92,6 +92,20 @@ class Lane:
                 # another executor holds it, or an orphan from an earlier process: recovery decides.
                 # Inputs waiting behind it cannot run here now; their tickets say so.
                 self.blocked_on = head.id
+                if head.acquired and head.id in self.contexts:
+                    # another executor acquired the run this process meant to run (e.g. a concurrent
+                    # recovery pass elsewhere): the record is that executor's now
+                    self.contexts.pop(head.id, None)
+                    runtime.waiters.reject(
+                        head.id,
+                        AgentRunOwnershipConflictError(
+                            f"run {head.id} was acquired by {head.owner_id}",
+                            conversation_id=self.conversation_id,
+                            run_id=head.id,
+                            actual_revision=head.revision,
+                            run=head,
+                        ),
+                    )
                 for run in active.runs[1:]:
                     if run.id in self.contexts:
                         runtime.waiters.reject(

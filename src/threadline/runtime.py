@@ -8,6 +8,7 @@ fact is published only after its commit. Abort is a request, never a state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import uuid
@@ -78,6 +79,11 @@ class RunsConfig:
     input_policy: str | Callable[[AgentRuntimeInput], str] = "queue"
     coalesce_pending: bool = False
     owner_id: str | None = None
+    execute: bool = True
+    """False: this runtime only admits input (a web process, say) and tickets follow the stored runs
+    while other processes (``serve``, ``threadline worker``) execute them."""
+    watch_interval: float = 0.5
+    """Seconds between reads of a run executed elsewhere (``execute=False``), at most."""
     lease_duration: float | None = None
     """Seconds: when set, an executing run carries a lease (``lease_expires_at``) that this runtime renews
     every third of it; another process may take the run over only once the lease expired (see
@@ -325,6 +331,8 @@ class AgentRuntime:
         self.lanes: dict[str, Lane] = {}
         self.waiters = Waiters()
         self._views: OrderedDict[str, ConversationView] = OrderedDict()
+        self._serve_wakeup = asyncio.Event()
+        self._watchers: set[asyncio.Future[None]] = set()
         self._unobserve = store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
@@ -540,11 +548,31 @@ class AgentRuntime:
             ticket.result.set_result(_result_from(run, accepted.answer))
             return
         self.waiters.add_result(run.id, ticket.result)
+        if not self.runs.execute:
+            # admission only: another process executes; the ticket follows the stored run
+            self._watchers.add(asyncio.ensure_future(self._watch(conversation_id, run.id)))
+            return
         lane = self._lane(conversation_id)
         lane.contexts.setdefault(run.id, parsed_context)
         if accepted.outcome == "accepted":
             lane.apply_policy(policy, run.id)
         lane.wake()
+
+    async def _watch(self, conversation_id: str, run_id: str) -> None:
+        """Settle a ticket of a run another process executes, by reading the stored run until it ends."""
+        delay = 0.02
+        try:
+            while run_id in self.waiters.results:
+                loaded = await self.retry_store(
+                    lambda: self.store.load_run(conversation_id=conversation_id, run_id=run_id)
+                )
+                if loaded is not None and loaded.run.terminal:
+                    self.waiters.resolve(run_id, _result_from(loaded.run, loaded.assistant))
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.runs.watch_interval)
+        except Exception as error:
+            self.waiters.reject(run_id, error)
 
     # --------------------------------------------------------------------------------- execution
 
@@ -844,6 +872,9 @@ class AgentRuntime:
         at most ``force_timeout`` (unbounded without it). Queued runs stay durably queued for ``recover()``.
         Reports what it achieved: ``settled`` or ``timed_out`` with ``remaining``."""
         self.closing = True
+        self._serve_wakeup.set()
+        for watcher in self._watchers:
+            watcher.cancel()
         busy = [lane.task for lane in self.lanes.values() if lane.busy and lane.task is not None]
         if busy and grace_period is not None:
             await asyncio.wait(busy, timeout=grace_period)
@@ -918,10 +949,72 @@ class AgentRuntime:
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
-        outcomes: list[AgentRecoveryOutcome] = []
-        for group in order_recoverable(runs):
-            outcomes.extend(await self._recover_conversation(group, resolve_context, policy))
-        return outcomes
+        # conversations recover concurrently; inside one, runs resume strictly in execution order
+        groups = order_recoverable(runs)
+        results = await asyncio.gather(*(self._recover_conversation(g, resolve_context, policy) for g in groups))
+        return [outcome for group in results for outcome in group]
+
+    async def serve(
+        self,
+        *,
+        resolve_context: Callable[[Run], Any],
+        policy: Callable[[Run], Mapping[str, Any]] | None = None,
+        poll_interval: float = 1.0,
+        page_size: int = 100,
+    ) -> None:
+        """Execute whatever is queued — also runs other processes admitted — until :meth:`close`: every
+        ``poll_interval`` seconds one bounded sweep hands each queued run to its conversation's lane (which
+        runs it when it is next in durable order) and applies ``policy`` to acquired runs (for example
+        :func:`takeover_expired_leases`). Cancelling the task stops the sweeps; runs already executing go
+        on until ``close``."""
+        while not self.closing:
+            cursor = None
+            while not self.closing:
+                page = await self.retry_store(lambda c=cursor: self.store.scan_recoverable(cursor=c, limit=page_size))
+                for group in order_recoverable(page.runs):
+                    await self._hand_over(group, resolve_context, policy)
+                if page.next_cursor is None:
+                    break
+                cursor = page.next_cursor
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._serve_wakeup.wait(), poll_interval)
+            self._serve_wakeup.clear()
+
+    async def _hand_over(
+        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Mapping[str, Any]] | None
+    ) -> None:
+        lane = self._lane(group[0].conversation_id)
+        for run in group:
+            if lane.control is not None and lane.control.run_id == run.id:
+                continue
+            if run.acquired:
+                decision = dict(policy(run)) if policy is not None else {"action": "skip"}
+                if decision.get("action") == "requeue":
+                    with contextlib.suppress(AgentStoreConflictError):
+                        await self.store.recover_run(
+                            conversation_id=run.conversation_id,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            action="requeue",
+                            replay_safe=bool(decision.get("replay_safe")),
+                        )
+                elif decision.get("action") == "abandon":
+                    with contextlib.suppress(AgentStoreConflictError):
+                        await self.abandon(
+                            conversation_id=run.conversation_id,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            stale_owner=bool(decision.get("stale_owner")),
+                        )
+                    continue
+                else:
+                    return  # held by a live owner: nothing behind it can run yet
+            if run.id not in lane.contexts:
+                try:
+                    lane.contexts[run.id] = self.protocol.parse_context(await call_maybe_async(resolve_context, run))
+                except ThreadlineError:
+                    return  # no context for it here: leave it to whoever can run it
+        lane.wake()
 
     async def _recover_conversation(
         self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Mapping[str, Any]] | None
@@ -993,6 +1086,9 @@ class AgentRuntime:
                 lane.wake()
                 await acquired
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, kind, result=result))
+            except AgentRunOwnershipConflictError as error:  # another process acquired it first
+                outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped", error=error))
+                blocked = True
             except ThreadlineError as error:
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
                 blocked = True

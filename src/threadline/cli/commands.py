@@ -1,11 +1,13 @@
-"""The Typer application behind ``threadline``.
+"""The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover`` and ``schema``.
 
-Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` becomes one
-line ``error: <message>`` on stderr and exit status 2, never a traceback.
+Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` (an
+unreadable database, a missing credential, an unknown policy…) becomes one line ``error: <message>`` on
+stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +19,8 @@ import typer
 from ..errors import ThreadlineError
 
 EXIT_ERROR = 2
-"""Exit status for a failure threadline reports (an unreadable database, an unwritable directory…)."""
+"""Exit status for a failure threadline reports (an unreadable database, a missing credential…)."""
+EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="threadline",
@@ -25,7 +28,15 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,
 )
+inspect_app = typer.Typer(
+    name="inspect",
+    help="Read a threadline database: conversations, runs, messages, events. Tables, or --json for scripts.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(inspect_app)
 
 
 def _fail(message: str, status: int = EXIT_ERROR) -> typer.Exit:
@@ -36,16 +47,50 @@ def _fail(message: str, status: int = EXIT_ERROR) -> typer.Exit:
 
 @contextmanager
 def _reported() -> Iterator[None]:
-    """Turn threadline's typed errors into one ``error:`` line and exit status 2."""
+    """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130."""
     try:
         yield
     except ThreadlineError as error:
         raise _fail(str(error) or type(error).__name__) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+DbOption = Annotated[
+    Path | None,
+    typer.Option("--db", help="SQLite database file (default ./threadline.db).", dir_okay=False),
+]
+DsnOption = Annotated[
+    str | None,
+    typer.Option("--dsn", help="PostgreSQL connection string instead of --db (needs threadline[postgres])."),
+]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="A pydantic-ai model name, e.g. openai:gpt-4.1-mini (default: the built-in scripted model, offline).",
+    ),
+]
+BaseUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--base-url",
+        help="An OpenAI-compatible server (Ollama, vLLM…); --model names the model there. "
+        "Uses OPENAI_API_KEY when set.",
+    ),
+]
+PaceOption = Annotated[
+    float,
+    typer.Option("--pace", help="Seconds between the scripted model's words.", min=0.0, max=1.0, hidden=True),
+]
 
 
 @app.callback()
 def _root() -> None:
     """Durable tool-using language-model conversations on SQLite or PostgreSQL."""
+
+
+# --------------------------------------------------------------------------------------------- schema
 
 
 @app.command()
@@ -79,21 +124,20 @@ def schema(
             raise _fail(f"cannot write schemas to {output}: {error.strerror or error}") from None
 
 
+# ----------------------------------------------------------------------------------------------- demo
+
+
 @app.command()
 def demo(
     db: Annotated[
         Path,
         typer.Option("--db", help="SQLite database file to use (created if missing).", dir_okay=False),
     ] = Path("threadline.db"),
-    pace: Annotated[
-        float,
-        typer.Option("--pace", help="Seconds between simulated tokens.", min=0.0, max=1.0, hidden=True),
-    ] = 0.03,
+    pace: PaceOption = 0.03,
 ) -> None:
-    """Show the durable store at work on a real SQLite file (the store driven directly; no model yet)."""
+    """Watch the runtime offline: streaming with tools, the five input policies side by side, a crash
+    and its recovery, and every run's terminal reason and usage. Uses a built-in scripted model."""
     with _reported():
-        import asyncio
-
         from rich.console import Console
 
         from .demo import DemoCheckFailed, run_demo
@@ -102,3 +146,183 @@ def demo(
             asyncio.run(run_demo(Console(highlight=False), db, pace=pace))
         except DemoCheckFailed as error:
             raise _fail(f"demo check failed: {error}", status=1) from None
+
+
+@app.command("_demo-child", hidden=True)
+def demo_child(
+    db: Annotated[Path, typer.Option("--db", dir_okay=False)],
+    conversation: Annotated[str, typer.Option("--conversation")],
+    pace: PaceOption = 0.03,
+) -> None:
+    """The demo's crash scene runs this in a child process and kills it with SIGKILL mid-answer."""
+    with _reported():
+        from .demo import run_demo_child
+
+        asyncio.run(run_demo_child(db, conversation, pace=pace))
+
+
+# ----------------------------------------------------------------------------------------------- chat
+
+
+@app.command()
+def chat(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    conversation: Annotated[
+        str | None,
+        typer.Option("--conversation", "-c", help="Conversation id (default: the last one this database chatted in)."),
+    ] = None,
+    model: ModelOption = None,
+    base_url: BaseUrlOption = None,
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            help="What a message typed while the model answers does to that answer: "
+            "queue, inject, interrupt, interrupt-next or supersede.",
+        ),
+    ] = "queue",
+    pace: PaceOption = 0.05,
+) -> None:
+    """Chat in the terminal. Answers stream as they arrive; typing while the model answers applies
+    --policy; Ctrl-C interrupts the answer durably and keeps the chat open; Ctrl-C twice (or Ctrl-C
+    when idle, Ctrl-D, /quit) leaves. The conversation is stored, so restarting the command continues it."""
+    with _reported():
+        from .chat import run_chat
+        from .common import check_policy
+
+        check_policy(policy)
+        status = run_chat(db=db, dsn=dsn, conversation=conversation, model=model, base_url=base_url,
+                          policy=policy, pace=pace)
+        raise typer.Exit(status)
+
+
+# -------------------------------------------------------------------------------------------- recover
+
+
+@app.command()
+def recover(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    abandon_stale: Annotated[
+        bool,
+        typer.Option(
+            "--abandon-stale",
+            help="Runs a dead process left running are abandoned (you assert their owner is gone). "
+            "Default: skipped, and the runs queued behind them stay blocked.",
+        ),
+    ] = False,
+    requeue: Annotated[
+        bool,
+        typer.Option(
+            "--requeue",
+            help="Runs a dead process left running are requeued and run again (you assert replaying their "
+            "model request is safe: a tool effect may repeat).",
+        ),
+    ] = False,
+    conversation: Annotated[
+        list[str] | None,
+        typer.Option("--conversation", "-c", help="Only these conversations (repeatable); others are left alone."),
+    ] = None,
+    model: ModelOption = None,
+    base_url: BaseUrlOption = None,
+    pace: PaceOption = 0.0,
+) -> None:
+    """One recovery pass: queued runs are resumed and answered with --model (default the built-in
+    scripted model); runs a dead process left running are skipped, abandoned or requeued. Prints one
+    outcome per run."""
+    with _reported():
+        from .recover import run_recover
+
+        status = run_recover(
+            db=db,
+            dsn=dsn,
+            abandon_stale=abandon_stale,
+            requeue=requeue,
+            conversations=conversation or [],
+            model=model,
+            base_url=base_url,
+            pace=pace,
+        )
+        raise typer.Exit(status)
+
+
+# -------------------------------------------------------------------------------------------- inspect
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON (one document) instead of a table.")]
+ConversationFilter = Annotated[
+    str | None, typer.Option("--conversation", "-c", help="Only this conversation.")
+]
+StateFilter = Annotated[
+    str | None,
+    typer.Option(
+        "--state",
+        help="Only runs in this state (queued, running, interrupt_requested, completed, interrupted, "
+        "superseded, cancelled, failed, abandoned); for messages, the message status.",
+    ),
+]
+LimitOption = Annotated[int, typer.Option("--limit", help="At most this many rows.", min=1)]
+
+
+@inspect_app.command("conversations")
+def inspect_conversations(
+    db: DbOption = None, dsn: DsnOption = None, state: StateFilter = None, as_json: JsonOption = False,
+    limit: LimitOption = 1000,
+) -> None:
+    """Conversations: id, version, runs, messages, active runs, last change."""
+    with _reported():
+        from .inspect import inspect_command
+
+        inspect_command("conversations", db=db, dsn=dsn, conversation=None, state=state, as_json=as_json, limit=limit)
+
+
+@inspect_app.command("runs")
+def inspect_runs(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    conversation: ConversationFilter = None,
+    state: StateFilter = None,
+    as_json: JsonOption = False,
+    limit: LimitOption = 1000,
+) -> None:
+    """Runs: state, terminal reason, policy, priority, inputs, owner and fencing token."""
+    with _reported():
+        from .inspect import inspect_command
+
+        inspect_command("runs", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit)
+
+
+@inspect_app.command("messages")
+def inspect_messages(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    conversation: ConversationFilter = None,
+    state: StateFilter = None,
+    as_json: JsonOption = False,
+    limit: LimitOption = 50,
+) -> None:
+    """The last --limit messages of each conversation (or of --conversation), in the order they happened."""
+    with _reported():
+        from .inspect import inspect_command
+
+        inspect_command(
+            "messages", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit
+        )
+
+
+@inspect_app.command("events")
+def inspect_events(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    conversation: ConversationFilter = None,
+    state: StateFilter = None,
+    as_json: JsonOption = False,
+    limit: LimitOption = 1000,
+) -> None:
+    """A timeline of the durable facts each run records: admitted, acquired, its last operation, its
+    terminal. threadline keeps no event log (delivery events are post-commit notifications, not stored),
+    so this is derived from the run rows; transient events (deltas, tool status) are not recoverable."""
+    with _reported():
+        from .inspect import inspect_command
+
+        inspect_command("events", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit)

@@ -34,10 +34,9 @@ from ..errors import ThreadlineError
 from ..history.projection import INTERRUPTED_MARKER
 from ..runtime import AgentRuntime, AgentRuntimeResult, AgentRuntimeTicket
 from ..store.aggregate import AgentRuntimeStore
-from ..usage import AgentUsage
 from .common import build_runtime, lookup_tool, open_store
-from .render import StreamPrinter, reason_markup, short, text_of, usage_text
-from .scripted import ScriptedModel
+from .render import StreamPrinter, reason_markup, short, text_of, usage_cells, usage_text
+from .scripted import ScriptedModel, read_turn
 
 CONTEXT = {"user": "demo"}
 INPUTS = ("Plan a day in Lisbon.", "Also suggest a restaurant.", "Actually, make it Porto.")
@@ -186,14 +185,15 @@ class Demo:
             self.book.label(r.run.id)
             for r in sorted(answered, key=lambda r: r.run.terminal_at or datetime.max.replace(tzinfo=UTC))
         )
-        # what the request right after ①'s run ended was shown of ①'s answer
-        later = model.prompts[1] if policy != "inject" else model.prompts[2]
-        shown = json.dumps([str(m) for m in later])
-        partial = text_of(results[0].assistant)
+        # what the request answering ② was shown of ①'s answer (② always runs after ①'s run ended)
+        later = next(p for p in model.prompts if "restaurant" in " ".join(read_turn(p).inputs))
+        shown = " ".join(str(m) for m in later)
+        texts = [p.text for p in results[0].assistant.parts if p.type == "text"] if results[0].assistant else []
+        first_answer = texts[-1] if texts else ""
         if INTERRUPTED_MARKER in shown:
             saw = "partial + cut-off marker"
-        elif partial and partial in shown:
-            saw = "complete answer"
+        elif first_answer and first_answer in shown:
+            saw = "the complete answer"
         else:
             saw = "nothing (left out)"
         return {"policy": policy, "results": results, "order": order, "saw": saw, "calls": model.calls}
@@ -221,11 +221,12 @@ class Demo:
         _expect(reasons("inject") == ["success", "success", "absorbed"], "inject: ③ joins ①'s run")
         _expect(by["interrupt"]["saw"] == "partial + cut-off marker", "interrupted partial kept and marked")
         _expect(by["supersede"]["saw"] == "nothing (left out)", "superseded partial left out of the prompt")
+        _expect(by["queue"]["saw"] == by["inject"]["saw"] == "the complete answer", "completed answers are history")
         inject_answer = text_of(by["inject"]["results"][0].assistant)
         _expect("Porto" in inject_answer, "the injected ③ was answered by ①'s run")
 
         table = Table(title="the same three inputs under each policy", title_justify="left")
-        for column in ("policy", "① Lisbon", "② restaurant", "③ Porto", "answers, in order", "① in later prompts"):
+        for column in ("policy", "① Lisbon", "② restaurant", "③ Porto", "answers, in order", "what ② saw of ①"):
             table.add_column(column)
         for c in columns:
             cells = []
@@ -286,7 +287,7 @@ class Demo:
                     printer.note(f"  {message['mark']} [bold]{escape(message['text'])}[/] [dim](child)[/]")
                 elif message["event"] == "delta":
                     printer(_Delta(message["run_id"], message["delta"]))
-                elif message["event"] == "checkpoint":
+                elif message["event"] == "checkpoint" and message["text"]:
                     checkpoint = message["text"]
                     printer.console.print(" [dim]⟨saved⟩[/]", end="")
                 elif message["event"] == "ready":
@@ -339,8 +340,6 @@ class Demo:
         outcomes = await runtime.recover(resolve_context=resolve_context, policy=policy)
         mine = [o for o in outcomes if o.conversation_id == conversation_id]
         _expect([(o.run_id, o.outcome) for o in mine] == [(first, "requeued"), (second, "resumed")], "recovery plan")
-        for o in mine:
-            self.printer.note(f"  recover → {self.book.label(o.run_id)} [bold]{o.outcome}[/]")
         results = []
         for o, mark in zip(mine, ("①", "②"), strict=True):
             assert o.result is not None
@@ -351,6 +350,8 @@ class Demo:
         await runtime.close()
         _expect([r.terminal_reason for r in results] == ["success", "success"], "both inputs answered")
         _expect(text_of(results[0].assistant).startswith("A day in Lisbon"), "① answered in full")
+        reported = ", ".join(f"{self.book.label(o.run_id)} {o.outcome}" for o in mine)
+        self.printer.note(f"  recover() reported: {reported}")
         others = len(outcomes) - len(mine)
         left = f"; {others} run(s) of other conversations left alone" if others else ""
         self.printer.note(
@@ -363,26 +364,25 @@ class Demo:
     async def runs_table(self) -> None:
         _rule(self.console, "4 · Every run of this demo, read back from the database")
         table = Table(title_justify="left")
-        for column in ("scene", "conversation", "input", "run", "state", "terminal reason", "usage (provenance)"):
+        for column in ("conversation", "input", "run", "state", "terminal reason", "tokens in/out", "provenance"):
             table.add_column(column)
+        table.add_column("cost")
         for entry in self.book.entries:
             loaded = await self.store.load_run(conversation_id=entry.conversation_id, run_id=entry.run_id)
             _expect(loaded is not None, f"run {entry.run_id} is on disk")
             assert loaded is not None
             run = loaded.run
-            usage = entry.result.usage if entry.result is not None else AgentUsage()
             if run.terminal_reason == "absorbed":
-                spend = "answered by ①'s run (its usage)"
+                cells = ("in ①'s run", "—", "—")
             else:
-                spend = usage_text(usage)
+                cells = usage_cells(entry.result.usage if entry.result is not None else None)
             table.add_row(
-                entry.scene,
                 entry.conversation_id.removeprefix(self.prefix + "-"),
                 entry.label,
                 short(run.id),
                 run.state,
                 reason_markup(run.terminal_reason),
-                spend,
+                *cells,
             )
         self.console.print(table)
         self.console.print(

@@ -61,6 +61,20 @@ def usage_text(usage: AgentUsage | None) -> str:
     return f"{' · '.join(figures)} · {steps}"
 
 
+def usage_cells(usage: AgentUsage | None) -> tuple[str, str, str]:
+    """``("100 / 38", "computed", "unavailable")``: tokens in/out, their provenance, the cost."""
+    if usage is None or usage.steps == 0:
+        return "—", "unavailable", "unavailable"
+    figures = (usage.input_tokens, usage.output_tokens)
+    tokens = " / ".join(
+        "?" if f.value is None else (f"≥{f.value}" if f.floor else str(f.value)) for f in figures
+    )
+    provenance = "/".join(dict.fromkeys(f.provenance for f in figures))
+    cost = usage.cost
+    money = "unavailable" if cost.amount is None else f"{cost.amount} {cost.currency} ({cost.provenance})"
+    return tokens, provenance, money
+
+
 def _compact_json(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 1] + "…"

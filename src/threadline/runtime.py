@@ -333,6 +333,7 @@ class AgentRuntime:
         self._views: OrderedDict[str, ConversationView] = OrderedDict()
         self._serve_wakeup = asyncio.Event()
         self._watchers: set[asyncio.Future[None]] = set()
+        self._listening: asyncio.Future[Any] | None = None
         self._unobserve = store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
@@ -558,6 +559,35 @@ class AgentRuntime:
             lane.apply_policy(policy, run.id)
         lane.wake()
 
+    def _ensure_listening(self) -> None:
+        """Subscribe to the store's cross-process notifications when it has them (PostgreSQL LISTEN/
+        NOTIFY): a durable interrupt committed elsewhere aborts the run executing here at once, and new
+        queued work wakes ``serve``. Without them the next CAS or sweep finds out, only later."""
+        listen = getattr(self.store.driver, "listen", None)
+        if listen is None or self._listening is not None or self.closing:
+            return
+        self._listening = asyncio.ensure_future(listen(self._notified))
+        self._listening.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _stop_listening(self) -> None:
+        listening, self._listening = self._listening, None
+        if listening is None:
+            return
+        if not listening.done():
+            listening.cancel()
+            return
+        if not listening.cancelled() and listening.exception() is None:
+            with contextlib.suppress(Exception):
+                await listening.result()()
+
+    def _notified(self, note: dict[str, Any]) -> None:
+        if note.get("event") == "interrupt":
+            lane = self.lanes.get(str(note.get("conversation_id")))
+            if lane is not None and lane.control is not None and lane.control.run_id == note.get("run_id"):
+                lane.control.abort("interrupted")
+        elif note.get("event") == "queued":
+            self._serve_wakeup.set()
+
     async def _watch(self, conversation_id: str, run_id: str) -> None:
         """Settle a ticket of a run another process executes, by reading the stored run until it ends."""
         delay = 0.02
@@ -578,6 +608,7 @@ class AgentRuntime:
 
     async def execute(self, lane: Lane, run: Run, context: Any) -> bool:
         """Acquire and execute one queued run; settle its waiters. Returns whether the lane may go on."""
+        self._ensure_listening()
         try:
             acquired = await self.retry_store(
                 lambda: self.store.acquire_run(
@@ -875,6 +906,7 @@ class AgentRuntime:
         self._serve_wakeup.set()
         for watcher in self._watchers:
             watcher.cancel()
+        await self._stop_listening()
         busy = [lane.task for lane in self.lanes.values() if lane.busy and lane.task is not None]
         if busy and grace_period is not None:
             await asyncio.wait(busy, timeout=grace_period)
@@ -966,7 +998,9 @@ class AgentRuntime:
         ``poll_interval`` seconds one bounded sweep hands each queued run to its conversation's lane (which
         runs it when it is next in durable order) and applies ``policy`` to acquired runs (for example
         :func:`takeover_expired_leases`). Cancelling the task stops the sweeps; runs already executing go
-        on until ``close``."""
+        on until ``close``. With a PostgreSQL store, new work and interrupts arrive through LISTEN/NOTIFY
+        at once; the sweep is the fallback."""
+        self._ensure_listening()
         while not self.closing:
             cursor = None
             while not self.closing:

@@ -192,8 +192,9 @@ def chat(
         from .common import check_policy
 
         check_policy(policy)
-        status = run_chat(db=db, dsn=dsn, conversation=conversation, model=model, base_url=base_url,
-                          policy=policy, pace=pace)
+        status = run_chat(
+            db=db, dsn=dsn, conversation=conversation, model=model, base_url=base_url, policy=policy, pace=pace
+        )
         raise typer.Exit(status)
 
 
@@ -250,9 +251,7 @@ def recover(
 # -------------------------------------------------------------------------------------------- inspect
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON (one document) instead of a table.")]
-ConversationFilter = Annotated[
-    str | None, typer.Option("--conversation", "-c", help="Only this conversation.")
-]
+ConversationFilter = Annotated[str | None, typer.Option("--conversation", "-c", help="Only this conversation.")]
 StateFilter = Annotated[
     str | None,
     typer.Option(
@@ -266,7 +265,10 @@ LimitOption = Annotated[int, typer.Option("--limit", help="At most this many row
 
 @inspect_app.command("conversations")
 def inspect_conversations(
-    db: DbOption = None, dsn: DsnOption = None, state: StateFilter = None, as_json: JsonOption = False,
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    state: StateFilter = None,
+    as_json: JsonOption = False,
     limit: LimitOption = 1000,
 ) -> None:
     """Conversations: id, version, runs, messages, active runs, last change."""

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
@@ -200,10 +201,10 @@ class Demo:
 
     async def policies_scene(self) -> list[dict[str, Any]]:
         _rule(self.console, "2 · Five input policies, side by side, on the same three inputs")
-        self.console.print(
+        self.printer.note(
             "  Each policy gets its own conversation. ① is sent; while its answer streams (the scripted "
-            "model waits\n  on a gate the demo holds), ② arrives as an ordinary queued follow-up and ③ "
-            "arrives under the policy.\n  Then the gate opens."
+            "model waits on a gate the demo holds), ② arrives as an ordinary queued follow-up and ③ "
+            "arrives under the policy. Then the gate opens."
         )
         columns = [await self.policy_column(policy) for policy in POLICIES]
         by = {c["policy"]: c for c in columns}
@@ -238,10 +239,10 @@ class Demo:
             table.add_row(c["policy"], *cells, c["order"] or "—", c["saw"])
         self.console.print()
         self.console.print(table)
-        self.console.print(
+        self.printer.note(
             "  [green]✓[/] queue answers all three in turn; interrupt and interrupt-next cut ① off (kept, marked) "
-            "— interrupt-next\n    runs ③ before ②; supersede drops ①'s partial from the prompt; inject lets ③ "
-            "join ①'s run (one answer)"
+            "— interrupt-next runs ③ before ②; supersede drops ①'s partial from the prompt; inject lets ③ "
+            "join ①'s run (one answer for both)"
         )
         return columns
 
@@ -250,9 +251,9 @@ class Demo:
     async def crash_scene(self) -> None:
         _rule(self.console, "3 · A crash mid-answer, and the recovery")
         conversation_id = f"{self.prefix}-crash"
-        self.console.print(
+        self.printer.note(
             f"  A child process runs conversation {conversation_id}: ① streams, ② queues behind it, "
-            "and the child is\n  killed with SIGKILL mid-answer — no close, no cleanup."
+            "and the child is killed with SIGKILL mid-answer — no close, no cleanup."
         )
         command = [
             sys.executable,
@@ -268,7 +269,10 @@ class Demo:
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         child = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             env=env,
         )
         assert child.stdout is not None and child.stderr is not None
@@ -315,13 +319,13 @@ class Demo:
         snapshot = await self.store.load_snapshot(conversation_id=conversation_id)
         draft = next(m for m in snapshot.messages if m.id == states[first].assistant_message_id)
         _expect(draft.status == "streaming" and text_of(draft) == checkpoint, "the last checkpoint is on disk")
-        self.console.print(
+        self.printer.note(
             f"  on disk: ① [yellow]running[/] (owner {escape(states[first].owner_id or '?')}, fencing token "
             f"{states[first].fencing_token}), draft '{escape(text_of(draft))}' ({draft.status}); ② [yellow]queued[/]"
         )
-        self.console.print(
+        self.printer.note(
             "  recovery: runtime.recover(policy=…) — ①'s owner is dead and ① invoked no tool, so replaying its "
-            "model\n  request is safe: requeue it (replay_safe=True); ② resumes after it."
+            "model request is safe: requeue it (replay_safe=True); ② resumes after it."
         )
 
         model = ScriptedModel(pace=self.pace)
@@ -363,34 +367,34 @@ class Demo:
 
     async def runs_table(self) -> None:
         _rule(self.console, "4 · Every run of this demo, read back from the database")
-        table = Table(title_justify="left")
-        for column in ("conversation", "input", "run", "state", "terminal reason", "tokens in/out", "provenance"):
-            table.add_column(column)
-        table.add_column("cost")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("conversation", "#", "state", "terminal reason", "tokens in/out", "cost"):
+            table.add_column(column, no_wrap=column in ("conversation", "tokens in/out"))
         for entry in self.book.entries:
             loaded = await self.store.load_run(conversation_id=entry.conversation_id, run_id=entry.run_id)
             _expect(loaded is not None, f"run {entry.run_id} is on disk")
             assert loaded is not None
             run = loaded.run
             if run.terminal_reason == "absorbed":
-                cells = ("in ①'s run", "—", "—")
+                tokens, cost = "in ①'s run", "—"
             else:
-                cells = usage_cells(entry.result.usage if entry.result is not None else None)
+                counts, provenance, cost = usage_cells(entry.result.usage if entry.result is not None else None)
+                tokens = f"{counts} {provenance}"
             table.add_row(
                 entry.conversation_id.removeprefix(self.prefix + "-"),
                 entry.label,
-                short(run.id),
                 run.state,
                 reason_markup(run.terminal_reason),
-                *cells,
+                tokens,
+                cost,
             )
         self.console.print(table)
-        self.console.print(
-            "  Usage is what this process's executor reported for each run (not stored): the scripted model "
-            "reports\n  word-count estimates as its token usage, and has no price, so cost stays 'unavailable' "
-            "(never 0).\n  The crashed child's spend before the kill died with it."
+        self.printer.note(
+            "  Usage is what this process's executor reported for each run (usage is not stored): the scripted "
+            "model reports word-count estimates as its token usage and has no price, so cost stays "
+            "'unavailable' (never 0). The crashed child's spend before the kill died with it."
         )
-        self.console.print(
+        self.printer.note(
             f"[green]✓[/] {len(self.book.entries)} runs, each with exactly one terminal reason. "
             f"Look around: [bold]threadline inspect runs --db {escape(str(self.db))}[/]"
         )
@@ -452,8 +456,13 @@ async def run_demo_child(db: Path, conversation_id: str, *, pace: float) -> None
         if event.type == "assistant-delta":
             _emit({"event": "delta", "run_id": event.run_id, "delta": event.delta})
         elif event.type == "assistant-checkpoint":
-            _emit({"event": "checkpoint", "run_id": event.run_id, "text": "".join(
-                p.text for p in event.parts if p.type == "text")})
+            _emit(
+                {
+                    "event": "checkpoint",
+                    "run_id": event.run_id,
+                    "text": "".join(p.text for p in event.parts if p.type == "text"),
+                }
+            )
 
     model = ScriptedModel(pace=pace, hold=hold)
     async with open_store(db, None) as opened:

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from ..records import Message
 from ..usage import AgentUsage
@@ -21,6 +22,15 @@ REASON_STYLE = {
     "shutdown": "yellow",
     "abandoned": "red",
 }
+
+
+def say(console: Console, markup: str) -> None:
+    """Print ``markup``; wrapped lines keep its leading indentation."""
+    body = markup.lstrip(" ")
+    indent = len(markup) - len(body)
+    for line in Text.from_markup(body).wrap(console, max(20, console.width - indent)):
+        line.rstrip()
+        console.print(Text(" " * indent) + line)
 
 
 def short(run_id: str) -> str:
@@ -38,7 +48,7 @@ def reason_markup(reason: str | None) -> str:
 def text_of(message: Message | None) -> str:
     if message is None:
         return ""
-    return "".join(p.text for p in message.parts if p.type == "text")
+    return " ".join(p.text for p in message.parts if p.type == "text")
 
 
 def usage_text(usage: AgentUsage | None) -> str:
@@ -62,20 +72,18 @@ def usage_text(usage: AgentUsage | None) -> str:
 
 
 def usage_cells(usage: AgentUsage | None) -> tuple[str, str, str]:
-    """``("100 / 38", "computed", "unavailable")``: tokens in/out, their provenance, the cost."""
+    """``("100/38", "computed", "unavailable")``: tokens in/out, their provenance, the cost."""
     if usage is None or usage.steps == 0:
         return "—", "unavailable", "unavailable"
     figures = (usage.input_tokens, usage.output_tokens)
-    tokens = " / ".join(
-        "?" if f.value is None else (f"≥{f.value}" if f.floor else str(f.value)) for f in figures
-    )
+    tokens = "/".join("?" if f.value is None else (f"≥{f.value}" if f.floor else str(f.value)) for f in figures)
     provenance = "/".join(dict.fromkeys(f.provenance for f in figures))
     cost = usage.cost
     money = "unavailable" if cost.amount is None else f"{cost.amount} {cost.currency} ({cost.provenance})"
     return tokens, provenance, money
 
 
-def _compact_json(value: Any, limit: int = 60) -> str:
+def _compact_json(value: Any, limit: int = 48) -> str:
     text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -105,9 +113,9 @@ class StreamPrinter:
             self.open_run = run_id
 
     def note(self, markup: str) -> None:
-        """Print a line of commentary (after closing a line the stream left open)."""
+        """Print commentary (after closing a line the stream left open), wrapped at its indentation."""
         self._close_line()
-        self.console.print(markup)
+        say(self.console, markup)
 
     def __call__(self, event: Any) -> None:
         kind = getattr(event, "type", None)

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -331,6 +332,8 @@ class _Statements:
             setattr(self, name, _render(template, schema))
         self.purge = tuple(getattr(self, name) for name in _PURGE_ORDER)
         self.lock_prefix = f"threadline:{schema}:"
+        self.channel = notification_channel(schema)
+        self.notify = "SELECT pg_notify(%s, %s)"
         self._pages: dict[tuple[bool, str, int, str], str] = {}
         self._page_base = _render(
             "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND position IS NOT NULL",
@@ -680,6 +683,11 @@ class _PostgresRows:
         pending.append(bind(q.upsert_head, (cid, m.head.version, encode(m.head))))
         for run in m.runs:
             pending.append(bind(q.upsert_run, (run.conversation_id, run.id, run.active, run.version, encode(run))))
+            if run.state in ("interrupt_requested", "queued"):
+                # delivered at COMMIT: executors learn of a durable interrupt at once, workers of new work
+                event = "interrupt" if run.state == "interrupt_requested" else "queued"
+                payload = json.dumps({"event": event, "conversation_id": run.conversation_id, "run_id": run.id})
+                pending.append(bind(q.notify, (q.channel, payload)))
         for msg in m.messages:
             row = (
                 msg.conversation_id,
@@ -747,6 +755,11 @@ def _describe(conninfo: str) -> str:
     return f"{host}:{port}"
 
 
+def notification_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of one schema's store."""
+    return f"threadline_{schema}"[:63]
+
+
 class PostgresStoreDriver:
     """A :class:`~threadline.store.driver.StoreDriver` over a psycopg async connection pool.
 
@@ -791,6 +804,35 @@ class PostgresStoreDriver:
     @property
     def pool(self) -> AsyncConnectionPool[Any] | None:
         return self._pool
+
+    async def listen(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], Awaitable[None]]:
+        """Deliver this store's notifications (``{"event": "interrupt" | "queued", "conversation_id",
+        "run_id"}``, sent by other processes' commits) to ``callback`` on the event loop, over one
+        dedicated connection, until the returned ``stop()`` is awaited. A notification is a hint to look
+        now; the durable record stays the authority (a missed one is caught by the next CAS or sweep)."""
+        conninfo = self._dsn if self._dsn is not None else (self._pool.conninfo if self._pool is not None else "")
+        try:
+            conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._q.channel)))
+        except psycopg.Error as error:
+            raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+
+        async def pump() -> None:
+            async for notify in conn.notifies():
+                try:
+                    callback(json.loads(notify.payload))
+                except Exception:
+                    continue
+
+        task = asyncio.ensure_future(pump())
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await conn.close()
+
+        return stop
 
     # ------------------------------------------------------------------------------------ lifecycle
 

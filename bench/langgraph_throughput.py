@@ -117,7 +117,12 @@ async def postgres_saver(dsn: str, schema: str, pool_max: int) -> AsyncIterator[
     from psycopg.rows import dict_row
     from psycopg_pool import AsyncConnectionPool
 
-    kwargs = {"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row, "options": f"-c search_path={schema}"}
+    kwargs = {
+        "autocommit": True,
+        "prepare_threshold": 0,
+        "row_factory": dict_row,
+        "options": f"-c search_path={schema}",
+    }
     async with AsyncConnectionPool(dsn, min_size=1, max_size=pool_max, kwargs=kwargs, open=False) as pool:
         yield AsyncPostgresSaver(pool)  # type: ignore[arg-type]
 
@@ -132,8 +137,9 @@ def postgres_problem(dsn: str) -> str | None:
 
         with psycopg.connect(dsn, connect_timeout=3) as conn:
             conn.execute("SELECT 1")
-    except Exception as exc:  # noqa: BLE001
-        return f"no PostgreSQL at {dsn} ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"no PostgreSQL at {dsn} ({type(exc).__name__}: {first})"
     return None
 
 

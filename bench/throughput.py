@@ -62,10 +62,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pydantic_ai.models.function import FunctionModel
 from turns import WRITE_OPS, Context, driver_call, lookup, print_profile, scripted, text
 from workload import machine_line, question
 
-from pydantic_ai.models.function import FunctionModel
 from threadline import (
     AgentRuntime,
     AgentRuntimeStore,
@@ -201,20 +201,56 @@ def split(total: int, parts: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------ SQLite
 
 
+class WorkerClock:
+    """``--verbose``, SQLite: the worker thread's wall time inside transactions (through a private hook of
+    the driver, one frame per call) and its CPU time (``time.thread_time`` read on the worker)."""
+
+    def __init__(self, store: AgentRuntimeStore) -> None:
+        self.driver = store.driver  # type: ignore[attr-defined]
+        self.in_tx_ns = 0
+        transaction = self.driver._transaction
+
+        def timed_transaction(operation: Any, access: str, stats: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return transaction(operation, access, stats)
+            finally:
+                self.in_tx_ns += time.perf_counter_ns() - start
+
+        self.driver._transaction = timed_transaction
+
+    async def read(self) -> tuple[int, float, float]:
+        """(ns inside transactions so far, worker CPU s, event-loop thread CPU s)."""
+        worker_cpu = await self.driver._call(time.thread_time)
+        return self.in_tx_ns, worker_cpu, time.thread_time()
+
+
 async def sqlite_run(args: Any, profile: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="threadline-throughput-") as tmp:
         async with create_sqlite_agent_runtime_store(filename=Path(tmp) / "throughput.db") as sqlite:
             store = sqlite.store
             runtime = make_runtime(store, args.model)
+            clock = WorkerClock(store) if args.verbose and not profile else None
             await warm_up(runtime, "0")
             cids = conversation_ids(0, args.conversations)
             if profile:
                 await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "sqlite-1", args)
             else:
+                before = await clock.read() if clock is not None else None
                 busy0 = cpu_ticks()
                 batch = await run_batch(runtime, store, cids, args.turns)
                 busy = busy_fraction(busy0, cpu_ticks())
-                report("sqlite", 1, args.conversations, (batch.end_ns - batch.start_ns) / 1e9, [batch], busy, args)
+                wall_s = (batch.end_ns - batch.start_ns) / 1e9
+                report("sqlite", 1, args.conversations, wall_s, [batch], busy, args)
+                if clock is not None and before is not None:
+                    after = await clock.read()
+                    print(
+                        f"# sqlite-1 threads: wall_s={wall_s:.2f} worker_in_tx_s={(after[0] - before[0]) / 1e9:.2f} "
+                        f"worker_cpu_s={after[1] - before[1]:.2f} loop_thread_cpu_s={after[2] - before[2]:.2f} "
+                        f"(worker_in_tx_s close to wall_s: the single SQLite thread is the bottleneck; "
+                        f"in_tx well above cpu: it waits, for the GIL or the disk)",
+                        flush=True,
+                    )
             await runtime.close()
 
 
@@ -251,7 +287,7 @@ def postgres_reachable(dsn: str) -> str | None:
 
         with psycopg.connect(dsn, connect_timeout=3) as conn:
             conn.execute("SELECT 1")
-    except Exception as exc:  # noqa: BLE001 - any failure means: skip
+    except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     return None
 
@@ -369,8 +405,12 @@ def postgres_config(args: Any, processes: int, profile: bool = False) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="*", default=["sqlite-1", "postgres-1", "postgres-4"],
-                        help="sqlite-1 and/or postgres-P (P processes); none with --profile to profile only")  # fmt: skip
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=["sqlite-1", "postgres-1", "postgres-4"],
+        help="sqlite-1 and/or postgres-P (P processes); none with --profile to profile only",
+    )
     parser.add_argument("--conversations", type=int, default=100)
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
     parser.add_argument("--model", choices=("function", "minimal"), default="function")
@@ -378,8 +418,17 @@ def main() -> int:
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (default: the test suite's)")
     parser.add_argument("--pool-max", type=int, default=10, help="PostgreSQL pool max_size per process")
     parser.add_argument("--profile", default=None, help="sqlite-1 or postgres-1: an extra run under cProfile")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="diagnostic: sys.setswitchinterval(seconds) in every process (default: Python's 0.005)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="sqlite-1: the SQLite worker thread's time inside transactions and CPU per thread",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="diagnostic: sys.setswitchinterval(seconds) in every process (default: Python's 0.005)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schema", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)

@@ -550,7 +550,10 @@ class AgentRuntime:
             return
         self.waiters.add_result(run.id, ticket.result)
         if not self.runs.execute:
-            # admission only: another process executes; the ticket follows the stored run
+            # admission only: another process executes; the ticket follows the stored run, and an
+            # interrupting policy reaches the executor as a durable interrupt (at once over NOTIFY)
+            if accepted.outcome == "accepted" and policy in ("interrupt", "interrupt-next", "supersede"):
+                await self._interrupt_elsewhere(conversation_id, run.id)
             self._watchers.add(asyncio.ensure_future(self._watch(conversation_id, run.id)))
             return
         lane = self._lane(conversation_id)
@@ -587,6 +590,15 @@ class AgentRuntime:
                 lane.control.abort("interrupted")
         elif note.get("event") == "queued":
             self._serve_wakeup.set()
+
+    async def _interrupt_elsewhere(self, conversation_id: str, newcomer: str) -> None:
+        """The durable form of an interrupting policy, for runs executing in another process. (There is no
+        durable 'supersede' request: such a run ends ``interrupted``.)"""
+        active = await self.retry_store(lambda: self.store.list_active_runs(conversation_id=conversation_id))
+        for run in active.runs:
+            if run.acquired and run.id != newcomer:
+                with contextlib.suppress(AgentStoreConflictError, AgentRecordNotFoundError):
+                    await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run.id)
 
     async def _watch(self, conversation_id: str, run_id: str) -> None:
         """Settle a ticket of a run another process executes, by reading the stored run until it ends."""

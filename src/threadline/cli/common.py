@@ -54,18 +54,24 @@ class OpenStore:
 
 
 @asynccontextmanager
-async def open_store(db: Path | None, dsn: str | None, *, create: bool = True) -> AsyncIterator[OpenStore]:
-    """Open the SQLite file ``db`` (default ``./threadline.db``) or the PostgreSQL database ``dsn``.
-    With ``create=False`` a missing SQLite file is an error instead of a new database."""
+async def open_store(
+    db: Path | None, dsn: str | None, *, create: bool = True, schema: str | None = None
+) -> AsyncIterator[OpenStore]:
+    """Open the SQLite file ``db`` (default ``./threadline.db``) or the PostgreSQL database ``dsn`` (its
+    ``schema``, default ``threadline``). With ``create=False`` a missing SQLite file is an error instead of
+    a new database."""
     if db is not None and dsn is not None:
         raise CliUsageError("pass --db or --dsn, not both")
+    if schema is not None and dsn is None:
+        raise CliUsageError("--schema is for PostgreSQL (--dsn)")
     if dsn is not None:
         try:
             from ..store.postgres import create_postgres_agent_runtime_store
         except ImportError:
             raise CliUsageError("PostgreSQL support needs psycopg: pip install 'threadline[postgres]'") from None
-        async with create_postgres_agent_runtime_store(dsn=dsn) as pg:
-            yield OpenStore(pg.store, pg.conversations, f"PostgreSQL {pg.driver.where}")
+        options = {"schema": schema} if schema is not None else {}
+        async with create_postgres_agent_runtime_store(dsn=dsn, **options) as pg:
+            yield OpenStore(pg.store, pg.conversations, f"PostgreSQL {pg.driver.where} schema {pg.schema}")
         return
     from ..store.sqlite import create_sqlite_agent_runtime_store
 
@@ -158,6 +164,7 @@ def build_runtime(
     policy: str | Callable[[Any], str] = "queue",
     tools: Sequence[AgentTool] = (),
     publish: Callable[[Any], Any] | None = None,
+    operator_publish: Callable[[Any], Any] | None = None,
     owner_id: str | None = None,
     checkpoint_every_events: int = 20,
     coalesce_pending: bool = False,
@@ -177,4 +184,5 @@ def build_runtime(
         runs=runs,
         loop={"checkpoint_every_events": checkpoint_every_events},
         publish=publish,
+        operator_publish=operator_publish,
     )

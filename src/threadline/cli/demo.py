@@ -294,6 +294,7 @@ class Demo:
                 elif message["event"] == "checkpoint" and message["text"]:
                     checkpoint = message["text"]
                     printer.console.print(" [dim]⟨saved⟩[/]", end="")
+                    printer.console.file.flush()
                 elif message["event"] == "ready":
                     ready = message
         except (TimeoutError, json.JSONDecodeError, KeyError) as error:

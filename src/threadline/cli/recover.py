@@ -69,12 +69,12 @@ async def _recover(
             failed = 0
             for o in outcomes:
                 outcome, detail = o.outcome, HINTS.get(o.outcome, "")
-                if isinstance(o.error, NotSelected) or (o.outcome == "skipped" and not chosen_id(o, selected)):
+                if selected and o.conversation_id not in selected:
                     outcome, detail = "left alone", "not in --conversation"
                 elif o.error is not None:
                     failed += 1
                     detail = " ".join(f"{type(o.error).__name__}: {o.error}".split())
-                reason = "—"
+                reason = reason_markup("abandoned") if o.outcome == "abandoned" else "—"
                 if o.result is not None:
                     try:
                         result = await o.result
@@ -103,10 +103,6 @@ async def _recover(
     return 1 if failed else 0
 
 
-def chosen_id(outcome: Any, selected: set[str]) -> bool:
-    return not selected or outcome.conversation_id in selected
-
-
 def run_recover(
     *,
     db: Path | None,
@@ -124,6 +120,4 @@ def run_recover(
     check_model(choice, model or "scripted")
     action = "abandon" if abandon_stale else "requeue" if requeue else "skip"
     console = Console(highlight=False)
-    return asyncio.run(
-        _recover(console, db=db, dsn=dsn, action=action, conversations=conversations, choice=choice)
-    )
+    return asyncio.run(_recover(console, db=db, dsn=dsn, action=action, conversations=conversations, choice=choice))

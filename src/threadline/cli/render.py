@@ -101,20 +101,20 @@ class StreamPrinter:
         self.tools: list[tuple[str, str, str]] = []
         self.on_terminal: Callable[[Any], None] | None = None
 
-    def _close_line(self) -> None:
+    def close_line(self) -> None:
         if self.open_run is not None:
             self.console.print()
             self.open_run = None
 
     def _open(self, run_id: str) -> None:
         if self.open_run != run_id:
-            self._close_line()
+            self.close_line()
             self.console.print(f"{self.indent}{self.label(run_id)} [bold magenta]▸[/] ", end="")
             self.open_run = run_id
 
     def note(self, markup: str) -> None:
         """Print commentary (after closing a line the stream left open), wrapped at its indentation."""
-        self._close_line()
+        self.close_line()
         say(self.console, markup)
 
     def __call__(self, event: Any) -> None:
@@ -123,8 +123,9 @@ class StreamPrinter:
             self._open(event.run_id)
             self.streamed[event.run_id] = self.streamed.get(event.run_id, "") + event.delta
             self.console.print(escape(event.delta), end="")
+            self.console.file.flush()
         elif kind == "tool-status":
-            self._close_line()
+            self.close_line()
             self.tools.append((event.run_id, event.tool_name, event.status))
             detail = ""
             if event.status == "started":
@@ -139,7 +140,7 @@ class StreamPrinter:
                 f" [{style}]{event.status}[/]{detail}"
             )
         elif kind == "attempt-reset":
-            self._close_line()
+            self.close_line()
             self.streamed.pop(event.run_id, None)
             self.console.print(f"{self.indent}{self.label(event.run_id)} [yellow]↺ provider retried[/]")
         elif kind == "terminal":
@@ -147,9 +148,9 @@ class StreamPrinter:
             if self.open_run == event.run_id:
                 self.console.print(f" ⟨{reason}⟩", end="")
             else:
-                self._close_line()
+                self.close_line()
                 self.console.print(f"{self.indent}{self.label(event.run_id)} ⟨{reason}⟩", end="")
                 self.open_run = event.run_id
-            self._close_line()
+            self.close_line()
             if self.on_terminal is not None:
                 self.on_terminal(event)

@@ -1,0 +1,318 @@
+"""``threadline chat``: an interactive terminal chat over the durable runtime.
+
+Lines are read by a reader thread (so the event loop keeps streaming while you type) and submitted as
+inputs; the runtime's ``--policy`` decides what a line typed while the model answers does to that answer.
+Ctrl-C once asks for a durable interrupt of the answer in progress (``runtime.interrupt``) and keeps the
+chat open; Ctrl-C again within two seconds, or when nothing is answering, leaves — so do Ctrl-D and
+``/quit``. Leaving closes the runtime: an answer still streaming ends ``shutdown``, queued inputs stay
+queued and are answered by the next ``threadline chat`` on the same conversation.
+
+The conversation lives in the database: without ``--conversation`` the chat continues the most recently
+active ``chat-…`` conversation of the database (or starts one), and shows its last messages on start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import ThreadlineError
+from ..records import Message
+from ..runtime import AgentRuntime, AgentRuntimeTicket
+from .common import CliContext, ModelChoice, OpenStore, build_runtime, check_model, choose_model, clock_tool, open_store
+from .render import StreamPrinter, say, text_of, usage_text
+
+HISTORY = 6
+"""Messages shown from the conversation's history on start."""
+DOUBLE_PRESS = 2.0
+"""Seconds within which a second Ctrl-C leaves instead of interrupting."""
+PROMPT = "[bold cyan]you ›[/] "
+CHAT_PREFIX = "chat-"
+
+
+async def default_conversation(opened: OpenStore) -> str | None:
+    """The most recently active ``chat-…`` conversation of the database, if any."""
+    best: tuple[datetime, str] | None = None
+    cursor = None
+    while True:
+        page = await opened.conversations.list(limit=500, cursor=cursor)
+        for head in page.items:
+            if head.conversation_id.startswith(CHAT_PREFIX) and (best is None or head.updated_at > best[0]):
+                best = (head.updated_at, head.conversation_id)
+        if page.next_cursor is None:
+            return best[1] if best else None
+        cursor = page.next_cursor
+
+
+def _history_line(message: Message) -> str:
+    who = {"user": "[bold cyan]you ›[/]", "assistant": "[bold magenta]assistant ›[/]"}.get(
+        message.role, f"[dim]{message.role} ›[/]"
+    )
+    text = text_of(message) or ", ".join(p.type for p in message.parts) or "(empty)"
+    status = "" if message.status in ("committed", "completed") else f" [yellow]({message.status})[/]"
+    return f"  {who} {escape(text)}{status}"
+
+
+class ChatSession:
+    def __init__(self, console: Console, conversation_id: str, policy: str) -> None:
+        self.console = console
+        self.conversation_id = conversation_id
+        self.policy = policy
+        self.runtime: AgentRuntime | None = None
+        self.printer = StreamPrinter(console, label=lambda _run_id: "[bold magenta]assistant[/]", indent="")
+        self.running: str | None = None
+        self.pending: set[asyncio.Task[None]] = set()
+        self.causes: dict[str, str] = {}
+        self.quit = asyncio.Event()
+        self.lines: asyncio.Queue[str | None] = asyncio.Queue()
+        self.last_interrupt = float("-inf")
+        self.prompted = False
+        self.session = uuid.uuid4().hex[:8]
+        self.sent = 0
+
+    # ---------------------------------------------------------------------------------------- events
+
+    def on_event(self, event: Any) -> None:
+        if self.prompted and event.type in ("assistant-delta", "tool-status", "terminal", "attempt-reset"):
+            self.prompted = False
+            self.printer.open_run = "prompt"  # the prompt's line is open: close it before printing
+        self.printer(event)
+        if event.type == "run-state":
+            if event.state == "running":
+                self.running = event.run_id
+            elif event.run_id == self.running and event.state not in ("interrupt_requested", "queued"):
+                self.running = None
+
+    def on_operator(self, event: Any) -> None:
+        if event.type == "run-terminal" and event.cause:
+            cause = event.cause if isinstance(event.cause, dict) else {}
+            name = str(cause.get("type", "")).rsplit(".", 1)[-1]
+            self.causes[event.run_id] = " ".join(f"{name}: {cause.get('message', '')}".split())[:240]
+
+    def note(self, markup: str) -> None:
+        if self.prompted:
+            self.prompted = False
+            self.console.print()
+        self.printer.note(markup)
+
+    def prompt(self) -> None:
+        if not self.pending and not self.quit.is_set() and not self.prompted:
+            self.printer.close_line()
+            self.console.print(PROMPT, end="")
+            self.console.file.flush()
+            self.prompted = True
+
+    # ----------------------------------------------------------------------------------------- input
+
+    def start_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        def read() -> None:
+            while True:
+                try:
+                    line = sys.stdin.readline()
+                except (OSError, ValueError):
+                    line = ""
+                if not line:
+                    loop.call_soon_threadsafe(self.lines.put_nowait, None)
+                    return
+                loop.call_soon_threadsafe(self.lines.put_nowait, line.rstrip("\r\n"))
+
+        threading.Thread(target=read, name="threadline-chat-stdin", daemon=True).start()
+
+    def on_sigint(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.running is not None and now - self.last_interrupt > DOUBLE_PRESS:
+            self.last_interrupt = now
+            task = loop.create_task(self.interrupt(self.running))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        else:
+            self.quit.set()
+
+    async def interrupt(self, run_id: str) -> None:
+        assert self.runtime is not None
+        try:
+            result = await self.runtime.interrupt(conversation_id=self.conversation_id, run_id=run_id)
+        except ThreadlineError as error:
+            self.note(f"[red]could not interrupt:[/] {escape(str(error))}")
+            return
+        if result.outcome in ("requested", "already_requested"):
+            self.note("[yellow]⏹ interrupt requested (durable)[/] [dim]— Ctrl-C again to leave[/]")
+
+    # ------------------------------------------------------------------------------------------ runs
+
+    def follow(self, ticket: AgentRuntimeTicket, admitted: bool = False) -> None:
+        task = asyncio.get_running_loop().create_task(self._follow(ticket, admitted))
+        self.pending.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self.pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.note(f"[red]error:[/] {escape(str(task.exception()))}")
+        self.prompt()
+
+    async def _follow(self, ticket: AgentRuntimeTicket, admitted: bool) -> None:
+        try:
+            if not admitted:
+                await ticket.admission
+            result = await ticket.result
+        except ThreadlineError as error:
+            self.note(f"[red]error:[/] {escape(' '.join(str(error).split()))}")
+            return
+        if result.terminal_reason == "absorbed":
+            self.note("[dim]  (answered together with the message it joined)[/]")
+            return
+        cause = self.causes.pop(result.run.id, None)
+        if cause and result.terminal_reason not in ("success", "interrupted", "superseded", "shutdown"):
+            self.note(f"  [red]cause:[/] {escape(cause)}")
+        self.note(f"[dim]  usage: {escape(usage_text(result.usage))}[/]")
+
+    def send(self, text: str) -> None:
+        assert self.runtime is not None
+        busy = bool(self.pending)
+        self.sent += 1
+        ticket = self.runtime.submit(
+            conversation_id=self.conversation_id,
+            idempotency_key=f"{self.session}-{self.sent}",
+            context=CliContext(),
+            parts=[{"type": "text", "text": text}],
+        )
+        if busy:
+            self.note(f"[dim]  ↳ sent while the model answers — policy {self.policy}[/]")
+        self.follow(ticket)
+
+    async def resume_pending(self, opened: OpenStore) -> None:
+        """Answer inputs an earlier chat left queued; warn about a run a dead process left running."""
+        assert self.runtime is not None
+        active = await opened.store.list_active_runs(conversation_id=self.conversation_id)
+        if not active.runs:
+            return
+        head = active.runs[0]
+        if head.acquired:
+            self.note(
+                f"[yellow]run {escape(head.id)} was left {head.state} by {escape(head.owner_id or '?')}[/], a "
+                "process that may be gone: new messages wait behind it. If it is gone, run "
+                f"[bold]threadline recover --abandon-stale -c {escape(self.conversation_id)}[/]"
+            )
+            return
+        self.note(f"[dim]answering {len(active.runs)} message(s) left queued by an earlier session[/]")
+        for run in active.runs:
+            ticket = await self.runtime.resume(
+                conversation_id=self.conversation_id, run_id=run.id, context=CliContext()
+            )
+            self.follow(ticket, admitted=True)
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        self.prompt()
+        while True:
+            get = asyncio.ensure_future(self.lines.get())
+            stop = asyncio.ensure_future(self.quit.wait())
+            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if self.quit.is_set():
+                get.cancel()
+                return
+            line = get.result()
+            self.prompted = False
+            self.printer.open_run = None  # the Enter key ended the line on screen
+            if line is None:  # end of input: let the answers in progress finish (Ctrl-C leaves at once)
+                if self.pending:
+                    self.note("[dim](end of input: waiting for the answers in progress)[/]")
+                    waiter = asyncio.ensure_future(asyncio.wait(set(self.pending)))
+                    stop = asyncio.ensure_future(self.quit.wait())
+                    await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    stop.cancel()
+                    waiter.cancel()
+                return
+            text = line.strip()
+            if text in ("/quit", "/exit"):
+                return
+            if not text:
+                self.prompt()
+                continue
+            self.send(text)
+
+
+async def _chat(
+    console: Console, choice: ModelChoice, *, db: Path | None, dsn: str | None, conversation: str | None, policy: str
+) -> int:
+    loop = asyncio.get_running_loop()
+    async with open_store(db, dsn) as opened:
+        conversation_id = conversation or await default_conversation(opened)
+        new = conversation_id is None
+        if conversation_id is None:
+            conversation_id = f"{CHAT_PREFIX}{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+        session = ChatSession(console, conversation_id, policy)
+        runtime = build_runtime(
+            opened.store,
+            choice.model,
+            model_name="chat",
+            policy=policy,
+            tools=[clock_tool()],
+            publish=session.on_event,
+            operator_publish=session.on_operator,
+        )
+        session.runtime = runtime
+        console.print(f"[bold]threadline chat[/]  database {escape(opened.where)}")
+        console.print(f"model         {escape(choice.label)}")
+        console.print(f"conversation  {escape(conversation_id)}{' (new)' if new else ''}    policy {policy}")
+        say(
+            console,
+            "[dim]Enter sends. Typing while the model answers applies the policy. Ctrl-C interrupts the "
+            "answer (durably); Ctrl-C twice, Ctrl-D or /quit leaves.[/]",
+        )
+        if not new:
+            page = await opened.conversations.messages(conversation_id, limit=HISTORY, direction="before")
+            if page.items:
+                more = " (and earlier)" if page.next_cursor else ""
+                console.rule(f"[dim]last {len(page.items)} messages{more}[/]", align="left", style="dim")
+                for message in page.items:
+                    say(console, _history_line(message))
+                console.rule(style="dim")
+        loop.add_signal_handler(signal.SIGINT, session.on_sigint)
+        try:
+            session.start_reader(loop)
+            await session.resume_pending(opened)
+            await session.run()
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+            session.quit.set()
+            queued = len(session.pending)
+            closed = await runtime.close(grace_period=0, force_timeout=10)
+            for task in list(session.pending):
+                task.cancel()
+            session.note("")
+            left = f" {queued} unanswered message(s) stay queued for the next chat." if queued else ""
+            if closed.timed_out:
+                left += f" {closed.remaining} run(s) did not stop in time: `threadline recover` settles them."
+            say(console, f"[dim]bye — conversation {escape(conversation_id)} is saved.{left}[/]")
+    return 0
+
+
+def run_chat(
+    *,
+    db: Path | None,
+    dsn: str | None,
+    conversation: str | None,
+    model: str | None,
+    base_url: str | None,
+    policy: str,
+    pace: float,
+) -> int:
+    choice = choose_model(model, base_url, pace=pace)
+    check_model(choice, model or "scripted")
+    console = Console(highlight=False)
+    return asyncio.run(_chat(console, choice, db=db, dsn=dsn, conversation=conversation, policy=policy))

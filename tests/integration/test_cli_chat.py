@@ -1,0 +1,258 @@
+"""``threadline chat`` driven as a person would, in tmux, against the fault provider server.
+
+A real terminal (a tmux pane, 200×50) runs ``python -m threadline.cli chat --base-url <fault server>``; the
+test types with ``send-keys`` and reads the screen with ``capture-pane``. It types, watches the answer
+stream in, presses Ctrl-C while an answer hangs mid-stream, types again, leaves, restarts the command and
+finds the conversation where it left it. Every wait polls the screen for the expected text with a bound:
+the verdict is the text on the screen, never the timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from threadline.history.projection import INTERRUPTED_MARKER
+from threadline.testing import create_fault_provider_server, hang, stream_text
+
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)"),
+]
+
+WAIT = 30.0
+"""Upper bound for one expected text to appear (a broken build fails instead of hanging)."""
+
+
+class Tmux:
+    """One private tmux server (its own socket, no user configuration) with one pane."""
+
+    def __init__(self) -> None:
+        self.socket = f"threadline-test-{uuid.uuid4().hex[:8]}"
+        self.session = "chat"
+
+    async def tmux(self, *args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            "tmux",
+            "-L",
+            self.socket,
+            "-f",
+            "/dev/null",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, f"tmux {args}: {err.decode()}"
+        return out.decode()
+
+    async def start(self, command: list[str], cwd: Path, env: dict[str, str]) -> None:
+        """Run ``command`` in a fresh 200×50 pane that stays on screen after the command exits."""
+        exports = [f"-e{key}={value}" for key, value in env.items()]
+        if await self.alive():
+            await self.tmux("kill-session", "-t", self.session)
+        await self.tmux(
+            "new-session",
+            "-d",
+            "-s",
+            self.session,
+            "-x",
+            "200",
+            "-y",
+            "50",
+            "-c",
+            str(cwd),
+            *exports,
+            "sleep 0.2; exec " + " ".join(command),
+        )
+        await self.tmux("set-option", "-t", self.session, "remain-on-exit", "on")
+
+    async def alive(self) -> bool:
+        proc = await asyncio.create_subprocess_exec(
+            "tmux",
+            "-L",
+            self.socket,
+            "-f",
+            "/dev/null",
+            "has-session",
+            "-t",
+            self.session,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        return await proc.wait() == 0
+
+    async def type(self, text: str) -> None:
+        await self.tmux("send-keys", "-t", self.session, "-l", text)
+        await self.tmux("send-keys", "-t", self.session, "Enter")
+
+    async def key(self, key: str) -> None:
+        await self.tmux("send-keys", "-t", self.session, key)
+
+    async def screen(self) -> str:
+        """The pane and its scrollback, wrapped lines joined."""
+        return await self.tmux("capture-pane", "-p", "-J", "-S", "-500", "-t", self.session)
+
+    async def wait_for(self, text: str, *, after: str = "", count: int = 1) -> str:
+        """Wait until ``text`` shows ``count`` times (after the last ``after``, when given)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        screen = ""
+        while loop.time() < deadline:
+            screen = await self.screen()
+            tail = screen.rsplit(after, 1)[-1] if after else screen
+            if tail.count(text) >= count:
+                return screen
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{text!r} did not appear within {WAIT}s; the screen:\n{screen}")
+
+    async def exit_status(self) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while loop.time() < deadline:
+            dead, _, status = (
+                (await self.tmux("display", "-p", "-t", self.session, "#{pane_dead} #{pane_dead_status}"))
+                .strip()
+                .partition(" ")
+            )
+            if dead == "1":
+                return int(status)
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the command did not exit; the screen:\n{await self.screen()}")
+
+    async def kill(self) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            "tmux",
+            "-L",
+            self.socket,
+            "kill-server",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        await proc.wait()
+
+
+@pytest.fixture
+async def tmux() -> AsyncIterator[Tmux]:
+    pane = Tmux()
+    try:
+        yield pane
+    finally:
+        await pane.kill()
+
+
+def chat_command(base_url: str, db: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "threadline.cli",
+        "chat",
+        "--db",
+        str(db),
+        "--base-url",
+        base_url,
+        "--model",
+        "fault-model",
+        "--policy",
+        "queue",
+    ]
+
+
+def clean_env() -> dict[str, str]:
+    env = {"COLUMNS": "200", "LINES": "50", "TERM": "xterm-256color", "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
+    return env
+
+
+async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: Path, tmux: Tmux) -> None:
+    db = tmp_path / "chat.db"
+    async with create_fault_provider_server() as server:
+        server.script(
+            [
+                stream_text(["Hello", " from", " the fault", " server."], usage=(12, 5)),
+                hang(["Once upon", " a time"]),
+                stream_text(["Still here", " after the interrupt."], usage=(30, 6)),
+                stream_text(["Welcome", " back."], usage=(41, 2)),
+            ]
+        )
+        command = chat_command(server.base_url, db)
+
+        # first session: a new conversation
+        await tmux.start(command, tmp_path, clean_env())
+        screen = await tmux.wait_for("you ›")
+        assert "(new)" in screen and "policy queue" in screen
+        await tmux.type("hi there")
+        screen = await tmux.wait_for("Hello from the fault server.")
+        screen = await tmux.wait_for("usage:", after="Hello from the fault server.")
+        assert "in 12" in screen and "out 5" in screen and "⟨success⟩" in screen
+
+        # an answer that hangs mid-stream: Ctrl-C interrupts it durably, the chat stays open
+        await tmux.wait_for("you ›", after="Hello from the fault server.")
+        await tmux.type("tell me a story")
+        await tmux.wait_for("Once upon a time")
+        await tmux.key("C-c")
+        screen = await tmux.wait_for("⟨interrupted⟩", after="Once upon a time")
+        assert "interrupt requested (durable)" in screen
+        await asyncio.wait_for(server.wait_for_disconnect(1), WAIT)  # the provider call really ended
+
+        # type again: the next answer streams, and the model saw the cut-off answer, marked
+        await tmux.wait_for("you ›", after="⟨interrupted⟩")
+        await tmux.type("still there?")
+        await tmux.wait_for("Still here after the interrupt.")
+        sent = server.requests[2].messages
+        assert [m["content"] for m in sent if m["role"] == "user"] == ["hi there", "tell me a story", "still there?"]
+        answers = " ".join(str(m.get("content")) for m in sent if m["role"] == "assistant")
+        assert "Once upon a time" in answers and INTERRUPTED_MARKER in answers
+
+        # leave: Ctrl-C when nothing is answering
+        await tmux.wait_for("you ›", after="Still here after the interrupt.")
+        await tmux.key("C-c")
+        await tmux.wait_for("bye")
+        assert await tmux.exit_status() == 0
+
+        # restart the command: the same conversation, its history on screen, and it continues
+        await tmux.start(command, tmp_path, clean_env())
+        screen = await tmux.wait_for("you ›")
+        assert "(new)" not in screen
+        history = screen.split("last ", 1)[1]
+        assert "still there?" in history and "Still here after the interrupt." in history
+        assert "(interrupted)" in history
+        await tmux.type("hello again")
+        await tmux.wait_for("Welcome back.")
+        sent = server.requests[3].messages
+        assert [m["content"] for m in sent if m["role"] == "user"][-2:] == ["still there?", "hello again"]
+        await tmux.wait_for("you ›", after="Welcome back.")
+        await tmux.type("/quit")
+        await tmux.wait_for("bye", after="Welcome back.")
+        assert await tmux.exit_status() == 0
+        assert server.remaining == 0
+
+
+async def test_chat_without_a_credential_is_one_line(tmp_path: Path, tmux: Tmux) -> None:
+    """In a real terminal too: a missing key is one line naming the variable, and a non-zero exit."""
+    env = {k: v for k, v in clean_env().items() if not k.startswith("OPENAI")}
+    await tmux.start(
+        [
+            sys.executable,
+            "-m",
+            "threadline.cli",
+            "chat",
+            "--db",
+            str(tmp_path / "x.db"),
+            "--model",
+            "openai:gpt-4.1-mini",
+        ],
+        tmp_path,
+        env,
+    )
+    assert await tmux.exit_status() == 2
+    lines = [line for line in (await tmux.screen()).splitlines() if line.strip() and "Pane is dead" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "OPENAI_API_KEY" in lines[0], lines
+    assert not (tmp_path / "x.db").exists()

@@ -6,6 +6,7 @@ executing at once; urgent inputs ran before ordinary ones queued beside them, an
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import signal
 import subprocess
@@ -102,7 +103,7 @@ async def test_four_workers_fifty_conversations(postgres_dsn: str, schema: str) 
                 assert len({m.id for m in snapshot.messages}) == len(snapshot.messages)
                 # never two executing at once: acquisition-to-terminal intervals do not overlap
                 ordered = sorted(runs, key=lambda r: r.execution_sequence)  # type: ignore[arg-type, return-value]
-                for before, after in zip(ordered, ordered[1:], strict=False):
+                for before, after in itertools.pairwise(ordered):
                     assert before.terminal_at <= after.acquired_at, (before.id, after.id)  # type: ignore[operator]
                 # FIFO inside each class by admission order
                 for priority in ("ordinary", "urgent"):

@@ -1,6 +1,7 @@
 """A child process: one run on a SQLite file whose tool blocks for ever, under a short lease.
 
-Usage: python _lease_child.py DB LEASE_SECONDS. Prints ``ACQUIRED <run_id>`` once the tool started.
+Usage: python _lease_child.py DB LEASE_SECONDS [SCHEMA]. DB is a SQLite file, or a PostgreSQL DSN when
+SCHEMA is given. Prints ``ACQUIRED`` once the tool started.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from threadline import (
 )
 
 
-async def main(db: str, lease: float) -> None:
+def open_store(db: str, schema: str | None) -> Any:
+    if schema is None:
+        return create_sqlite_agent_runtime_store(filename=db)
+    from threadline.store.postgres import create_postgres_agent_runtime_store
+
+    return create_postgres_agent_runtime_store(db, schema=schema)
+
+
+async def main(db: str, lease: float, schema: str | None = None) -> None:
     @define_agent_tool
     async def block() -> str:
         print("ACQUIRED", flush=True)
@@ -32,10 +41,10 @@ async def main(db: str, lease: float) -> None:
         yield {0: DeltaToolCall(name="block", json_args="{}", tool_call_id="call-block")}
 
     registry = define_model_registry(models={"m": {"model": FunctionModel(stream_function=model)}})
-    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+    async with open_store(db, schema) as handle:
         runtime = create_agent_runtime(
             protocol=define_agent_protocol(),
-            store=sqlite.store,
+            store=handle.store,
             models={"resolve": lambda: registry.resolve("m")},
             tools=[block],
             runs={"lease_duration": lease, "owner_id": "child-process"},
@@ -47,4 +56,4 @@ async def main(db: str, lease: float) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], float(sys.argv[2])))
+    asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None))

@@ -46,10 +46,33 @@ async def until(predicate: Any, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_killed_owner_is_taken_over_after_its_lease(tmp_path: Path) -> None:
-    db = tmp_path / "leases.db"
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[list[str], Any]]:
+    """(child arguments, a function opening the same store in this process)."""
+    if request.param == "sqlite":
+        db = tmp_path / "leases.db"
+        yield [str(db)], lambda: create_sqlite_agent_runtime_store(filename=db)
+        return
+    import uuid
+
+    import psycopg
+
+    from threadline.store.postgres import create_postgres_agent_runtime_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = f"threadline_test_{uuid.uuid4().hex}"
+    yield [dsn, schema], lambda: create_postgres_agent_runtime_store(dsn, schema=schema)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def test_a_killed_owner_is_taken_over_after_its_lease(backend: tuple[list[str], Any]) -> None:
+    args, open_store = backend
     with subprocess.Popen(
-        [sys.executable, str(CHILD), str(db), "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(CHILD), args[0], "0.5", *args[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as child:
         try:
             line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)  # type: ignore[union-attr]
@@ -60,8 +83,8 @@ async def test_a_killed_owner_is_taken_over_after_its_lease(tmp_path: Path) -> N
             if child.poll() is None:
                 child.kill()
                 child.wait(10)
-    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
-        store = sqlite.store
+    async with open_store() as handle:
+        store = handle.store
         active = (await store.list_active_runs(conversation_id="c1")).runs
         assert len(active) == 1 and active[0].owner_id == "child-process" and active[0].fencing_token == 1
         orphan = active[0]

@@ -306,6 +306,7 @@ def run_chat(
     *,
     db: Path | None,
     dsn: str | None,
+    schema: str | None = None,
     conversation: str | None,
     model: str | None,
     base_url: str | None,
@@ -315,4 +316,4 @@ def run_chat(
     choice = choose_model(model, base_url, pace=pace)
     check_model(choice, model or "scripted")
     console = Console(highlight=False)
-    return asyncio.run(_chat(console, choice, db=db, dsn=dsn, conversation=conversation, policy=policy))
+    return asyncio.run(_chat(console, choice, db=db, dsn=dsn, schema=schema, conversation=conversation, policy=policy))

@@ -64,6 +64,12 @@ DsnOption = Annotated[
     str | None,
     typer.Option("--dsn", help="PostgreSQL connection string instead of --db (needs threadline[postgres])."),
 ]
+SchemaOption = Annotated[
+    str | None,
+    typer.Option(
+        "--schema", help="With --dsn: the PostgreSQL schema holding the threadline tables (default threadline)."
+    ),
+]
 ModelOption = Annotated[
     str | None,
     typer.Option(
@@ -168,6 +174,7 @@ def demo_child(
 def chat(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     conversation: Annotated[
         str | None,
         typer.Option("--conversation", "-c", help="Conversation id (default: the last one this database chatted in)."),
@@ -205,6 +212,7 @@ def chat(
 def recover(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     abandon_stale: Annotated[
         bool,
         typer.Option(
@@ -238,6 +246,7 @@ def recover(
         status = run_recover(
             db=db,
             dsn=dsn,
+            schema=schema_name,
             abandon_stale=abandon_stale,
             requeue=requeue,
             conversations=conversation or [],
@@ -267,6 +276,7 @@ LimitOption = Annotated[int, typer.Option("--limit", help="At most this many row
 def inspect_conversations(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     state: StateFilter = None,
     as_json: JsonOption = False,
     limit: LimitOption = 1000,
@@ -275,13 +285,23 @@ def inspect_conversations(
     with _reported():
         from .inspect import inspect_command
 
-        inspect_command("conversations", db=db, dsn=dsn, conversation=None, state=state, as_json=as_json, limit=limit)
+        inspect_command(
+            "conversations",
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=None,
+            state=state,
+            as_json=as_json,
+            limit=limit,
+        )
 
 
 @inspect_app.command("runs")
 def inspect_runs(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     conversation: ConversationFilter = None,
     state: StateFilter = None,
     as_json: JsonOption = False,
@@ -291,13 +311,23 @@ def inspect_runs(
     with _reported():
         from .inspect import inspect_command
 
-        inspect_command("runs", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit)
+        inspect_command(
+            "runs",
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            state=state,
+            as_json=as_json,
+            limit=limit,
+        )
 
 
 @inspect_app.command("messages")
 def inspect_messages(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     conversation: ConversationFilter = None,
     state: StateFilter = None,
     as_json: JsonOption = False,
@@ -308,7 +338,14 @@ def inspect_messages(
         from .inspect import inspect_command
 
         inspect_command(
-            "messages", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit
+            "messages",
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            state=state,
+            as_json=as_json,
+            limit=limit,
         )
 
 
@@ -316,6 +353,7 @@ def inspect_messages(
 def inspect_events(
     db: DbOption = None,
     dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
     conversation: ConversationFilter = None,
     state: StateFilter = None,
     as_json: JsonOption = False,
@@ -327,4 +365,13 @@ def inspect_events(
     with _reported():
         from .inspect import inspect_command
 
-        inspect_command("events", db=db, dsn=dsn, conversation=conversation, state=state, as_json=as_json, limit=limit)
+        inspect_command(
+            "events",
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            state=state,
+            as_json=as_json,
+            limit=limit,
+        )

@@ -237,9 +237,15 @@ def _jsonable(kind: str, rows: list[Any]) -> list[Any]:
 
 
 async def _collect(
-    kind: str, db: Path | None, dsn: str | None, conversation: str | None, state: str | None, limit: int
+    kind: str,
+    db: Path | None,
+    dsn: str | None,
+    schema: str | None,
+    conversation: str | None,
+    state: str | None,
+    limit: int,
 ) -> list[Any]:
-    async with open_store(db, dsn, create=False) as opened:
+    async with open_store(db, dsn, create=False, schema=schema) as opened:
         if kind == "conversations":
             return await _conversations(opened, state, limit)
         if kind == "runs":
@@ -254,13 +260,14 @@ def inspect_command(
     *,
     db: Path | None,
     dsn: str | None,
+    schema: str | None = None,
     conversation: str | None,
     state: str | None,
     as_json: bool,
     limit: int,
 ) -> None:
     _check_state(kind, state)
-    rows = asyncio.run(_collect(kind, db, dsn, conversation, state, limit))
+    rows = asyncio.run(_collect(kind, db, dsn, schema, conversation, state, limit))
     if as_json:
         print(json.dumps(_jsonable(kind, rows), indent=2, ensure_ascii=False))
         return

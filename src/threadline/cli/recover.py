@@ -37,6 +37,7 @@ async def _recover(
     *,
     db: Path | None,
     dsn: str | None,
+    schema: str | None,
     action: str,
     conversations: list[str],
     choice: Any,
@@ -58,7 +59,7 @@ async def _recover(
             raise NotSelected(f"{run.conversation_id} is not selected")
         return CliContext()
 
-    async with open_store(db, dsn, create=False) as opened:
+    async with open_store(db, dsn, create=False, schema=schema) as opened:
         console.print(f"database  {escape(opened.where)}")
         console.print(f"model     {escape(choice.label)}")
         printer = StreamPrinter(console)
@@ -107,6 +108,7 @@ def run_recover(
     *,
     db: Path | None,
     dsn: str | None,
+    schema: str | None,
     abandon_stale: bool,
     requeue: bool,
     conversations: list[str],
@@ -120,4 +122,6 @@ def run_recover(
     check_model(choice, model or "scripted")
     action = "abandon" if abandon_stale else "requeue" if requeue else "skip"
     console = Console(highlight=False)
-    return asyncio.run(_recover(console, db=db, dsn=dsn, action=action, conversations=conversations, choice=choice))
+    return asyncio.run(
+        _recover(console, db=db, dsn=dsn, schema=schema, action=action, conversations=conversations, choice=choice)
+    )

@@ -15,12 +15,17 @@ summary right after the last message it replaced.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
+from pydantic_ai.messages import ModelRequest, ToolReturnPart, UserPromptPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 
+from threadline import create_agent_runtime, define_agent_protocol, define_agent_tool, define_model_registry
 from threadline.errors import AgentRuntimeUsageError
 from threadline.history.compaction import (
     AgentCompactionHook,
@@ -330,6 +335,114 @@ async def test_runtime_hook_compacts_when_the_application_decides(store: AgentRu
         AgentCompactionHook.parse({"summarize": Summarizer(), "keep_recent_turns": 1, "threshold": 0.8})
     with pytest.raises(AgentRuntimeUsageError):
         AgentCompactionHook.parse({"summarize": Summarizer(), "keep_recent_turns": 1})
+
+
+# --------------------------------------------------------------------------------------- the runtime
+
+
+class RuntimeContext(BaseModel):
+    user_id: str = "u1"
+
+
+def last_user_text(messages: list[Any]) -> str:
+    for message in reversed(messages):
+        if isinstance(message, ModelRequest):
+            texts = [p.content for p in message.parts if isinstance(p, UserPromptPart) and isinstance(p.content, str)]
+            if texts:
+                return " | ".join(texts)
+    return ""
+
+
+async def test_the_runtime_hook_compacts_before_steps_and_waits_for_an_approval_in_flight(tmp_path: Path) -> None:
+    """Every step starts with the hook. A turn whose approval is answered by a run that has not settled
+    is a barrier (that run reads the signed request from history), and the approved run continues the
+    turn that asked, so they are folded together once it settled."""
+    effects: list[str] = []
+    infos: list[Any] = []
+    seen: list[list[Any]] = []
+
+    @define_agent_tool
+    async def charge(amount: int) -> str:
+        effects.append(f"charged {amount}")
+        return f"charged {amount}"
+
+    async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[Any]:
+        seen.append(messages)
+        infos.append(info)
+        last = messages[-1]
+        returns = [p for p in last.parts if isinstance(p, ToolReturnPart)] if isinstance(last, ModelRequest) else []
+        if returns:
+            yield f"the tool said: {returns[0].content}"
+        elif "charge" in last_user_text(messages):
+            yield {0: DeltaToolCall(name="charge", json_args='{"amount": 5}', tool_call_id=f"call-{len(seen)}")}
+        else:
+            yield f"answer to: {last_user_text(messages)}"
+
+    summaries: list[tuple[list[tuple[str, str]], str | None]] = []
+
+    def summarize(eligible: list[Message], previous: str | None) -> str:
+        summaries.append(([(m.role, m.run_id or "") for m in eligible], previous))
+        return f"SUMMARY {len(summaries)}"
+
+    model = FunctionModel(stream_function=stream, model_name="scripted")
+    registry = define_model_registry(models={"m": {"model": model, "context_window": 100_000}})
+    usages: list[Any] = []
+
+    def should_compact(usage: Any) -> bool:
+        usages.append(usage)
+        return True  # the application's threshold; here: always
+
+    hook = AgentCompactionHook(should_compact=should_compact, summarize=summarize, keep_recent_turns=0)
+    async with create_sqlite_agent_runtime_store(filename=tmp_path / "runtime.db") as sqlite:
+        runtime = create_agent_runtime(
+            protocol=define_agent_protocol(context=RuntimeContext),
+            store=sqlite.store,
+            models={"preflight": lambda: registry.preflight("m"), "resolve": lambda: registry.resolve("m")},
+            tools=[charge],
+            loop={"tool_approval": {"charge"}, "tool_approval_secret": "s3cret"},
+            history={"compaction": hook},
+        )
+
+        async def ask(key: str, words: str) -> Any:
+            ticket = runtime.submit(
+                conversation_id=CID, idempotency_key=key, context={"user_id": "u1"}, parts=text(words)
+            )
+            return await ticket.result
+
+        first = await ask("k0", "hello 0")
+        assert first.terminal_reason == "success" and summaries == []  # nothing settled yet to compact
+        await ask("k1", "hello 1")
+        assert [roles for roles, _ in summaries] == [[("user", first.run.id), ("assistant", first.run.id)]]
+        assert infos[-1].instructions == "SUMMARY 1" and last_user_text(seen[-1]) == "hello 1"
+        assert "hello 0" not in repr(seen[-1])
+
+        paused = await ask("k2", "charge me 5")
+        assert paused.terminal_reason == "provider_stop" and effects == []
+        assert summaries[-1][1] == "SUMMARY 1"  # merged into the next summary, which replaced it
+        request = next(p for p in paused.assistant.parts if p.type == "approval-request")
+
+        ticket = await runtime.respond_to_approval(
+            conversation_id=CID, approval_id=request.approval_id, approved=True, context={"user_id": "u1"}
+        )
+        approved = await ticket.result
+        assert approved.terminal_reason == "success" and effects == ["charged 5"]
+        assert len(summaries) == 2  # the asking turn was a barrier while its approval ran
+        assert last_user_text(seen[-1]) == "charge me 5"
+
+        last = await ask("k3", "hello 3")
+        assert last.terminal_reason == "success"
+        folded = summaries[-1][0]
+        assert [role for role, _ in folded] == ["user", "assistant", "tool", "assistant"]
+        assert {run for _, run in folded} == {paused.run.id, approved.run.id}
+        assert infos[-1].instructions == "SUMMARY 3" and last_user_text(seen[-1]) == "hello 3"
+        snapshot = await sqlite.store.load_snapshot(conversation_id=CID)
+        assert [(m.role, m.run_id) for m in snapshot.messages] == [
+            ("summary", None),
+            ("user", last.run.id),
+            ("assistant", last.run.id),
+        ]
+        assert all(u is not None and u.context_window == 100_000 for u in usages)
+        await runtime.close()
 
 
 # ----------------------------------------------------------------------------------------- SQLite file

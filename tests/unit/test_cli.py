@@ -1,12 +1,17 @@
-"""The ``threadline`` command: ``schema`` and ``demo``.
+"""The ``threadline`` command: ``schema``, ``demo``, ``inspect``, ``recover`` and bad invocations.
 
-Pins: ``schema`` prints (or writes) the JSON Schema of every canonical record; ``demo`` runs every scene on
-a real SQLite file, shows each scene's key fact, and can run again on the same file; a file that is not a
-database gives one ``error:`` line and a non-zero status, never a traceback; bad invocations fail cleanly.
+Pins: ``schema`` prints (or writes) the JSON Schema of every canonical record; ``demo`` runs every scene
+through the real runtime on a real SQLite file, shows each scene's key fact, and runs again on the same
+file; ``inspect --json`` is parseable and agrees with the store; ``recover`` on a file with an orphan
+skips it (and blocks what waits behind it), abandons it with ``--abandon-stale``, requeues it with
+``--requeue``; bad invocations (unknown policy, unreadable database, missing credential…) print one
+``error:`` line and exit non-zero, never a traceback. (``chat`` is driven in a terminal by
+``tests/integration/test_cli_chat.py``.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,23 +21,46 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from threadline import create_sqlite_agent_runtime_store
 from threadline.cli import app
 from threadline.records import RECORD_MODELS, export_json_schemas
 
 runner = CliRunner()
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``python -m threadline.cli`` the way a user's shell would (its own process, piped output)."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    base = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
     return subprocess.run(
         [sys.executable, "-m", "threadline.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=env if env is not None else base,
         check=False,
     )
+
+
+class Ran:
+    """What an in-process run of the command printed (the shape of ``subprocess.CompletedProcess``)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def invoke(*args: str) -> Ran:
+    """Run the command in this process (much faster than a new interpreter) with a 200-column console."""
+    result = runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), stderr
+    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------- schema
@@ -58,116 +86,403 @@ def test_schema_output_writes_one_file_per_record(tmp_path: Path) -> None:
         assert json.loads((target / f"{name}.schema.json").read_text(encoding="utf-8")) == schemas[name]
 
 
-def test_schema_output_onto_a_file_fails_cleanly(tmp_path: Path) -> None:
-    occupied = tmp_path / "occupied"
-    occupied.write_text("x")
-    result = runner.invoke(app, ["schema", "--output", str(occupied)])
-    assert result.exit_code != 0
-    assert "Traceback" not in result.output
-
-
 def test_schema_output_under_a_file_is_one_error_line(tmp_path: Path) -> None:
     occupied = tmp_path / "occupied"
     occupied.write_text("x")
     result = runner.invoke(app, ["schema", "--output", str(occupied / "sub")])
     assert result.exit_code == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: cannot write schemas"), result.stderr
+    assert one_error_line(result.stderr).startswith("error: cannot write schemas")
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("args", [["nosuchcommand"], ["schema", "--bogus"], ["demo", "--pace", "-1"]])
-def test_bad_invocations_exit_non_zero_without_a_traceback(args: list[str]) -> None:
+def test_help_lists_the_commands() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("demo", "chat", "inspect", "recover", "schema"):
+        assert command in result.output
+    assert "_demo-child" not in result.output
+    events = runner.invoke(app, ["inspect", "events", "--help"])
+    assert "keeps no event log" in " ".join(events.output.split())
+
+
+# -------------------------------------------------------------------------------- bad invocations
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["nosuchcommand"], ["schema", "--bogus"], ["demo", "--pace", "-1"], ["inspect"], ["inspect", "nothing"]],
+)
+def test_usage_errors_exit_2_without_a_traceback(args: list[str]) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
-def test_help_lists_the_commands() -> None:
-    result = runner.invoke(app, ["--help"])
-    assert result.exit_code == 0
-    assert "schema" in result.output and "demo" in result.output
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["chat", "--policy", "sometimes"], "unknown policy 'sometimes'"),
+        (["chat", "--db", "x.db", "--dsn", "postgresql://nobody@127.0.0.1:1/x"], "--db or --dsn"),
+        (["chat", "--base-url", "http://127.0.0.1:1/v1"], "--base-url needs --model"),
+        (["chat", "--model", "nosuchprovider:model"], "unavailable"),
+        (["inspect", "runs", "--db", "missing.db"], "no database at missing.db"),
+        (["inspect", "runs", "--db", "missing.db", "--state", "sleeping"], "unknown run state 'sleeping'"),
+        (["inspect", "messages", "--db", "missing.db", "--state", "sleeping"], "unknown message status"),
+        (["recover", "--db", "missing.db"], "no database at missing.db"),
+        (["recover", "--abandon-stale", "--requeue"], "not both"),
+        (["inspect", "runs", "--schema", "s"], "--schema is for PostgreSQL"),
+    ],
+)
+def test_bad_invocations_are_one_error_line(
+    args: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert expected in one_error_line(result.stderr)
+    assert result.stdout == ""
+    assert not (tmp_path / "x.db").exists() and not (tmp_path / "threadline.db").exists()
+
+
+def test_a_missing_credential_names_the_variable_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [k for k in os.environ if k.startswith("OPENAI")]:
+        monkeypatch.delenv(name)
+    db = tmp_path / "chat.db"
+    for command in (["chat"], ["recover"]):
+        result = invoke(*command, "--db", str(db), "--model", "openai:gpt-4.1-mini")
+        assert result.returncode == 2, result.stderr
+        line = one_error_line(result.stderr)
+        assert "OPENAI_API_KEY" in line and "Traceback" not in result.stderr
+        assert result.stdout == ""
+    assert not db.exists()
+
+
+@pytest.mark.subprocess
+def test_a_missing_credential_in_a_shell(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI")}
+    result = cli("chat", "--db", str(tmp_path / "chat.db"), "--model", "openai:gpt-4.1-mini", env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "OPENAI_API_KEY" in one_error_line(result.stderr)
+
+
+def test_an_unreadable_database_is_one_error_line(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not a database\x00\xff" * 200)
+    for command in (
+        ["demo", "--db", str(garbage), "--pace", "0"],
+        ["inspect", "conversations", "--db", str(garbage)],
+        ["recover", "--db", str(garbage)],
+    ):
+        result = invoke(*command)
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        one_error_line(result.stderr)
+        assert result.stdout == ""
+    chat = runner.invoke(app, ["chat", "--db", str(garbage)], input="hello\n")
+    assert chat.exit_code == 2 and chat.stdout == ""
+    one_error_line(chat.stderr)
+
+
+@pytest.mark.subprocess
+def test_an_unreadable_database_in_a_shell(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"\x00\x01not sqlite" * 500)
+    result = cli("demo", "--db", str(garbage), "--pace", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    one_error_line(result.stderr)
 
 
 # --------------------------------------------------------------------------------------------- demo
 
-SCENE_FACTS = [
-    "no model yet",
-    "Scene 1",
-    "coalesced into ONE queued successor",
-    "Scene 2",
-    "⟨saved⟩",
-    "terminal 'success' committed",
-    "Scene 3",
-    "urgent before ordinary",
-    "Scene 4",
-    "interrupt_requested",
-    "assistant status 'interrupted'",
-    "Scene 5",
-    "'duplicate'",
-    "Scene 6",
-    "runs, read back from disk",
-    "terminal_reason",
-    "conversations.messages",
-    "read back 3 runs and 7 messages",
+SCENES = {
+    "header": ["threadline demo", "built-in scripted model", "offline"],
+    "1 · streaming": [
+        "1 · A streamed answer with a tool call",
+        "① ▸ Let me check my notes on Lisbon.",
+        '⚙ lookup started {"topic": "Lisbon"}',
+        "⚙ lookup completed",
+        "A day in Lisbon: Belém tower at nine",
+        "⟨success⟩",
+        "✓ streamed live, tool status as it happened",
+        "✓ usage: in 100 (computed) · out 38 (computed) · cost unavailable · 2 steps",
+    ],
+    "2 · policies": [
+        "2 · Five input policies, side by side, on the same three inputs",
+        "queue ",
+        "interrupt ",
+        "interrupt-next ",
+        "supersede ",
+        "inject ",
+        "① ⟨interrupted⟩",
+        "① ⟨superseded⟩",
+        "(arrives mid-answer: interrupt-next)",
+        "(My previous answer was cut off; picking up from here.)",
+        "the same three inputs under each policy",
+        "✓ queue answers all three in turn",
+    ],
+    "3 · crash": [
+        "3 · A crash mid-answer, and the recovery",
+        "(child)",
+        "⟨saved⟩",
+        "with SIGKILL (exit status -9) mid-answer",
+        "on disk: ① running",
+        "draft 'A day in Lisbon: Belém tower at nine,' (streaming); ② queued",
+        "runtime.recover(policy=…)",
+        "recover() reported: ① requeued, ② resumed",
+        "✓ recovered: ① requeued and answered in full, ② answered after it",
+    ],
+    "4 · runs": [
+        "4 · Every run of this demo, read back from the database",
+        "tokens in/out",
+        "computed",
+        "unavailable",
+        "✓ 18 runs, each with exactly one terminal reason",
+    ],
+}
+
+POLICY_TABLE = {  # policy: (①, ②, ③, answers in order, what ② saw of ①)
+    "queue": ("success", "success", "success", "①②③", "the complete answer"),
+    "interrupt": ("interrupted", "success", "success", "②③", "partial + cut-off marker"),
+    "interrupt-next": ("interrupted", "success", "success", "③②", "partial + cut-off marker"),
+    "supersede": ("superseded", "success", "success", "②③", "nothing (left out)"),
+    "inject": ("success", "success", "absorbed into ①", "①②", "the complete answer"),
+}
+
+RUNS_TABLE = [  # conversation, input, state, terminal reason
+    ("stream", "①", "completed", "success"),
+    *[
+        (policy, mark, *row)
+        for policy, rows in {
+            "queue": [("completed", "success")] * 3,
+            "interrupt": [("interrupted", "interrupted"), ("completed", "success"), ("completed", "success")],
+            "interrupt-next": [("interrupted", "interrupted"), ("completed", "success"), ("completed", "success")],
+            "supersede": [("superseded", "superseded"), ("completed", "success"), ("completed", "success")],
+            "inject": [("completed", "success"), ("completed", "success"), ("superseded", "absorbed")],
+        }.items()
+        for mark, row in zip("①②③", rows, strict=True)
+    ],
+    ("crash", "①", "completed", "success"),
+    ("crash", "②", "completed", "success"),
 ]
 
 
-@pytest.mark.subprocess
-def test_demo_runs_every_scene_and_runs_again_on_the_same_file(tmp_path: Path) -> None:
-    db = tmp_path / "demo.db"
+def scene(output: str, title: str, following: str | None) -> str:
+    start = output.index(title)
+    end = output.index(following, start) if following else len(output)
+    return output[start:end]
+
+
+def table_rows(text: str, first_cells: set[str]) -> list[list[str]]:
+    """Rows of a box-less Rich table whose first cell is one of ``first_cells`` (cells split on 2+ spaces)."""
+    import re
+
+    rows = []
+    for line in text.splitlines():
+        cells = [c for c in re.split(r"\s{2,}|│", line.strip()) if c.strip()]
+        if cells and cells[0].strip() in first_cells:
+            rows.append([c.strip() for c in cells])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str], str]:
+    """The demo, run twice on the same file (output of both runs)."""
+    db = tmp_path_factory.mktemp("demo") / "demo.db"
     first = cli("demo", "--db", str(db), "--pace", "0")
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "Traceback" not in first.stderr
-    for fact in SCENE_FACTS:
-        assert fact in first.stdout, f"missing {fact!r} in:\n{first.stdout}"
-    assert db.exists() and db.stat().st_size > 0
-    assert "holds 1 conversation(s)" in first.stdout
-
     second = cli("demo", "--db", str(db), "--pace", "0")
-    assert second.returncode == 0, second.stdout + second.stderr
-    for fact in SCENE_FACTS:
-        assert fact in second.stdout, f"missing {fact!r} on the second run"
-    assert "holds 2 conversation(s)" in second.stdout
+    return db, first, second.stdout + second.stderr + f"\n[exit {second.returncode}]"
 
 
 @pytest.mark.subprocess
-def test_demo_table_reads_back_each_run(tmp_path: Path) -> None:
-    result = cli("demo", "--db", str(tmp_path / "t.db"), "--pace", "0")
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [line for line in result.stdout.splitlines() if line.startswith("│ ") and "run_" in line]
-    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
-    assert [(c[0], c[2], c[3], c[5]) for c in cells] == [
-        ("A", "completed", "success", "1"),
-        ("B", "completed", "success", "2"),
-        ("C", "interrupted", "interrupted", "1"),
+def test_demo_shows_every_scene_and_its_key_fact(demo_runs: tuple[Path, subprocess.CompletedProcess[str], str]) -> None:
+    _, first, _ = demo_runs
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stderr == "" and "Traceback" not in first.stdout
+    out = first.stdout
+    titles = [facts[0] for facts in SCENES.values()]
+    order = [out.index(t) for t in titles]
+    assert order == sorted(order), "the scenes come in order"
+    sections = list(SCENES.items())
+    for i, (name, facts) in enumerate(sections):
+        following = sections[i + 1][1][0] if i + 1 < len(sections) else None
+        text = scene(out, facts[0], following)
+        for fact in facts:
+            assert fact in text, f"scene {name}: missing {fact!r} in:\n{text}"
+
+
+@pytest.mark.subprocess
+def test_demo_policies_side_by_side(demo_runs: tuple[Path, subprocess.CompletedProcess[str], str]) -> None:
+    _, first, _ = demo_runs
+    text = scene(first.stdout, "the same three inputs under each policy", "3 · A crash")
+    rows = {r[0]: tuple(r[1:]) for r in table_rows(text, set(POLICY_TABLE))}
+    assert rows == POLICY_TABLE
+
+
+@pytest.mark.subprocess
+def test_demo_table_reads_back_every_run(demo_runs: tuple[Path, subprocess.CompletedProcess[str], str]) -> None:
+    _, first, _ = demo_runs
+    text = scene(first.stdout, "4 · Every run of this demo", None)
+    rows = table_rows(text, {"stream", "crash", *POLICY_TABLE})
+    assert [tuple(r[:4]) for r in rows] == RUNS_TABLE
+    for row in rows:
+        if row[3] == "absorbed":
+            assert row[4:] == ["in ①'s run", "—"]
+        else:
+            tokens, provenance = row[4].split(" ")
+            assert all(n.isdigit() for n in tokens.split("/")) and provenance == "computed"
+            assert row[5] == "unavailable"
+
+
+@pytest.mark.subprocess
+def test_demo_runs_again_on_the_same_file(demo_runs: tuple[Path, subprocess.CompletedProcess[str], str]) -> None:
+    db, _, second = demo_runs
+    assert second.endswith("[exit 0]"), second
+    assert "✓ 18 runs" in second
+    listed = json.loads(invoke("inspect", "conversations", "--db", str(db), "--json").stdout)
+    names = [c["conversation_id"] for c in listed]
+    prefixes = {n.split("-", 3)[2] for n in names}  # demo-<stamp>-<random>-<scene>
+    assert len(names) == 14 and len(prefixes) == 2, names
+    assert all(not c["active_runs"] for c in listed), "every run of both demos ended"
+
+
+# ------------------------------------------------------------------------------------------ inspect
+
+
+def test_inspect_json_agrees_with_the_store(demo_runs: tuple[Path, subprocess.CompletedProcess[str], str]) -> None:
+    db, _, _ = demo_runs
+    conversations = json.loads(invoke("inspect", "conversations", "--db", str(db), "--json").stdout)
+    crash = next(c["conversation_id"] for c in conversations if c["conversation_id"].endswith("-crash"))
+    inject = next(c["conversation_id"] for c in conversations if c["conversation_id"].endswith("-inject"))
+
+    runs = json.loads(invoke("inspect", "runs", "--db", str(db), "--json").stdout)
+    assert len(runs) == 36
+    assert {r["terminal_reason"] for r in runs} == {"success", "interrupted", "superseded", "absorbed"}
+
+    absorbed = json.loads(
+        invoke("inspect", "runs", "--db", str(db), "-c", inject, "--state", "superseded", "--json").stdout
+    )
+    assert [r["terminal_reason"] for r in absorbed] == ["absorbed"]
+
+    messages = json.loads(invoke("inspect", "messages", "--db", str(db), "-c", crash, "--json").stdout)
+    assert [(m["role"], m["status"]) for m in messages] == [
+        ("user", "committed"),
+        ("assistant", "completed"),
+        ("user", "committed"),
+        ("assistant", "completed"),
     ]
+    assert [m["position"] for m in messages] == [1, 2, 3, 4]
+
+    events = json.loads(invoke("inspect", "events", "--db", str(db), "-c", crash, "--json").stdout)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("admitted") == 2 and kinds.count("terminal completed") == 2
+    assert [e["at"] for e in events] == sorted(e["at"] for e in events)
+    assert {e["conversation_id"] for e in events} == {crash}
+
+    table = invoke("inspect", "runs", "--db", str(db), "-c", crash)
+    assert table.returncode == 0 and "completed" in table.stdout and "success" in table.stdout
+    empty = invoke("inspect", "runs", "--db", str(db), "--state", "running")
+    assert empty.returncode == 0 and "(no runs)" in empty.stdout
 
 
-@pytest.mark.subprocess
-def test_demo_on_a_garbage_file_is_one_error_line(tmp_path: Path) -> None:
-    garbage = tmp_path / "garbage.db"
-    garbage.write_bytes(b"this is not a database\x00\xff" * 200)
-    result = cli("demo", "--db", str(garbage), "--pace", "0")
-    assert result.returncode == 2
-    combined = result.stdout + result.stderr
-    assert "Traceback" not in combined
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert result.stdout.strip() == ""
+# ------------------------------------------------------------------------------------------ recover
 
 
-def test_demo_in_process(tmp_path: Path) -> None:
-    """The same command through Typer's runner: the scenes' checks pass and a typed store error exits 2."""
-    result = runner.invoke(app, ["demo", "--db", str(tmp_path / "in-process.db"), "--pace", "0"])
-    assert result.exit_code == 0, result.output
-    assert "read back 3 runs and 7 messages" in result.stdout
+async def orphan_database(path: Path) -> tuple[str, str]:
+    """A file where a process that is gone left ``o1``'s run running, with ``o2`` queued behind it."""
+    async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
+        store = sqlite.store
+        first = await store.accept_input_and_assign_run(
+            conversation_id="orphaned",
+            idempotency_key="o1",
+            input={"id": "m1", "role": "user", "parts": [{"type": "text", "text": "Plan a day in Lisbon."}]},
+        )
+        await store.acquire_run(
+            conversation_id="orphaned", run_id=first.run.id, expected_revision=first.run.revision, owner_id="gone"
+        )
+        second = await store.accept_input_and_assign_run(
+            conversation_id="orphaned",
+            idempotency_key="o2",
+            input={"id": "m2", "role": "user", "parts": [{"type": "text", "text": "Also suggest a restaurant."}]},
+        )
+        return first.run.id, second.run.id
 
-    garbage = tmp_path / "garbage.db"
-    garbage.write_bytes(b"\x00\x01not sqlite" * 500)
-    failed = runner.invoke(app, ["demo", "--db", str(garbage)])
-    assert failed.exit_code == 2
-    assert failed.stdout == ""
-    assert failed.stderr.startswith("error: ") and failed.stderr.count("\n") == 1
+
+def outcome_rows(stdout: str) -> list[list[str]]:
+    return table_rows(stdout, {"orphaned"})
+
+
+def test_recover_skips_an_orphan_by_default_then_abandons_it(tmp_path: Path) -> None:
+    db = tmp_path / "orphan.db"
+    first, second = asyncio.run(orphan_database(db))
+
+    skipped = invoke("recover", "--db", str(db))
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    rows = outcome_rows(skipped.stdout)
+    assert [r[1:3] for r in rows] == [[first[:10], "skipped"], [second[:10], "blocked"]]
+    assert "--abandon-stale" in skipped.stdout and "recovery pass: 1 skipped, 1 blocked" in skipped.stdout
+
+    abandoned = invoke("recover", "--db", str(db), "--abandon-stale")
+    assert abandoned.returncode == 0, abandoned.stdout + abandoned.stderr
+    rows = outcome_rows(abandoned.stdout)
+    assert [r[1:4] for r in rows] == [[first[:10], "abandoned", "abandoned"], [second[:10], "resumed", "success"]]
+    assert "For dinner in Lisbon" in abandoned.stdout  # the queued input was answered (scripted model)
+
+    runs = json.loads(invoke("inspect", "runs", "--db", str(db), "--json").stdout)
+    assert [(r["id"], r["state"], r["terminal_reason"]) for r in runs] == [
+        (first, "abandoned", "abandoned"),
+        (second, "completed", "success"),
+    ]
+    again = invoke("recover", "--db", str(db))
+    assert again.returncode == 0 and "nothing to recover" in again.stdout
+
+
+def test_recover_requeue_runs_the_orphan_again(tmp_path: Path) -> None:
+    db = tmp_path / "orphan.db"
+    first, second = asyncio.run(orphan_database(db))
+    elsewhere = invoke("recover", "--db", str(db), "--requeue", "-c", "another")
+    assert [r[2] for r in outcome_rows(elsewhere.stdout)] == ["left alone", "left alone"]
+    requeued = invoke("recover", "--db", str(db), "--requeue", "-c", "orphaned")
+    assert requeued.returncode == 0, requeued.stdout + requeued.stderr
+    rows = outcome_rows(requeued.stdout)
+    assert [r[1:4] for r in rows] == [[first[:10], "requeued", "success"], [second[:10], "resumed", "success"]]
+    messages = json.loads(invoke("inspect", "messages", "--db", str(db), "-c", "orphaned", "--json").stdout)
+    assert [m["status"] for m in messages if m["role"] == "assistant"] == ["completed", "completed"]
+
+
+# ---------------------------------------------------------------------------------------- postgres
+
+
+@pytest.mark.postgres
+def test_inspect_and_recover_over_postgres(postgres_dsn: str) -> None:
+    import uuid
+
+    import psycopg
+
+    from threadline.store.postgres import create_postgres_agent_runtime_store
+
+    schema = f"cli_{uuid.uuid4().hex[:8]}"
+
+    async def seed() -> str:
+        async with create_postgres_agent_runtime_store(postgres_dsn, schema=schema) as pg:
+            accepted = await pg.store.accept_input_and_assign_run(
+                conversation_id="pg-chat",
+                idempotency_key="k1",
+                input={"id": "m1", "role": "user", "parts": [{"type": "text", "text": "Plan a day in Porto."}]},
+            )
+            return accepted.run.id
+
+    try:
+        run_id = asyncio.run(seed())
+        where = ["--dsn", postgres_dsn, "--schema", schema]
+        queued = json.loads(invoke("inspect", "runs", *where, "--state", "queued", "--json").stdout)
+        assert [r["id"] for r in queued] == [run_id]
+        recovered = invoke("recover", *where)
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        assert [r[2:4] for r in table_rows(recovered.stdout, {"pg-chat"})] == [["resumed", "success"]]
+        messages = json.loads(invoke("inspect", "messages", *where, "-c", "pg-chat", "--json").stdout)
+        assert "A day in Porto" in messages[-1]["parts"][0]["text"]
+    finally:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

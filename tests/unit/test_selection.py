@@ -168,16 +168,54 @@ def test_turn_problems(build: Callable[[History], Any], problem: str) -> None:
     assert units[0].problem == problem
 
 
+def approval_request() -> tuple[Any, ...]:
+    """A call that asked for approval: the run stores the call and the request and stops."""
+    return (call("c9"), ApprovalRequestPart(approval_id="a1", call_id="c9", tool_name="lookup"))
+
+
 def test_complete_turns_with_tools_approvals_and_marked_failures() -> None:
     h = History()
     h.turn("ok", call("c1"), call("c2"), result("c1"), result("c2"), TextPart(text="done"))
-    h.turn("approved", ApprovalRequestPart(approval_id="a1", call_id="c9", tool_name="pay"))
-    h.add("approval", "tool", ApprovalResponsePart(approval_id="a1", call_id="c9", approved=True), run_id="approved")
+    h.turn("asks", TextPart(text="may I?"), *approval_request())
+    # the approval response is the input of the next run, which records the call again with its result
+    h.add("resp", "tool", ApprovalResponsePart(approval_id="a1", call_id="c9", approved=True), run_id="approved")
+    h.add("approved:out", "assistant", call("c9"), result("c9"), TextPart(text="paid"), run_id="approved")
     h.turn("cut", TextPart(text="partial"), status="interrupted")
     h.turn("broke", status="failed")
-    assert [u.problem for u in split_agent_history_turns(h.messages)] == [None, None, None, "failed"]
+    units = split_agent_history_turns(h.messages)
+    assert [u.problem for u in units] == [None, None, None, "failed"]
     assert [u.problem for u in split_agent_history_turns(h.messages, evidence_policy=MARKED)] == [None] * 4
-    assert ids(split_agent_history_turns(h.messages)[1].messages) == ["approved:in0", "approved:out", "approval"]
+    # the approved run has no user input: it continues the turn that asked, as one unit
+    assert ids(units[1].messages) == ["asks:in0", "asks:out", "resp", "approved:out"]
+    assert units[1].run_ids == ("asks", "approved")
+    # so compaction keeps or folds them together, and the retained history never starts with an answer
+    assert ids(select_compactable_history(h.messages, 2).compactable) == ["ok:in0", "ok:out"]
+    assert ids(select_compactable_history(h.messages, 1).compactable)[-2:] == ["resp", "approved:out"]
+
+
+def test_an_approval_answered_by_a_run_not_yet_settled_is_still_unresolved() -> None:
+    """The queued run re-reads the signed request from history before it executes the call: the
+    requesting turn may not be compacted away until that run has settled."""
+    h = History()
+    h.turn("t0")
+    h.turn("asks", *approval_request())
+    h.turn("t1")
+    h.add(
+        "resp",
+        "tool",
+        ApprovalResponsePart(approval_id="a1", call_id="c9", approved=True),
+        run_id="next",
+        settled=False,
+    )
+    units = split_agent_history_turns(h.messages)
+    assert [(u.run_ids, u.problems) for u in units] == [
+        (("t0",), ()),
+        (("asks",), ("unresolved-approval",)),
+        (("t1", "next"), ("unsettled",)),  # the queued approval run continues the last turn
+    ]
+    sel = select_compactable_history(h.messages, 0)
+    assert ids(sel.compactable) == ["t0:in0", "t0:out"]
+    assert sel.barrier is not None and sel.barrier.reason == "unresolved-approval"
 
 
 def test_interleaved_run_is_out_of_order_in_both_places() -> None:
@@ -186,10 +224,9 @@ def test_interleaved_run_is_out_of_order_in_both_places() -> None:
     h.add("b:in", "user", run_id="b")  # no join marker: b's input does not belong to a
     h.add("a:out", "assistant", run_id="a")
     units = split_agent_history_turns(h.messages)
-    assert [(ids(u.messages), u.problem) for u in units] == [
-        (["a:in"], "out-of-order"),
-        (["b:in"], "unanswered-input"),
-        (["a:out"], "out-of-order"),
+    assert [(ids(u.messages), u.problems) for u in units] == [
+        (["a:in"], ("out-of-order",)),
+        (["b:in", "a:out"], ("unanswered-input", "out-of-order")),  # an answer alone continues a turn
     ]
 
 
@@ -247,7 +284,7 @@ def test_selection_oversized_when_protected_turns_cannot_fit() -> None:
 def test_selection_protects_incomplete_and_keeps_order() -> None:
     h = History()
     h.turn("t1")
-    h.turn("pending", ApprovalRequestPart(approval_id="a1", call_id="c1", tool_name="pay"))
+    h.turn("pending", *approval_request())
     h.turn("t2")
     h.turn("t3")
     h.turn("live", settled=False, status="streaming")
@@ -464,7 +501,7 @@ def histories(draw: st.DrawFn) -> Spec:
             h.turn(run, status="none", users=draw(st.integers(1, 2)))
             bad.setdefault(run, set()).add("unanswered")
             continue
-        status = draw(st.sampled_from(ASSISTANT_STATUSES))
+        status = "completed" if kind == "absorb" else draw(st.sampled_from(ASSISTANT_STATUSES))
         parts: list[Any] = [TextPart(text=f"answer {run}")]
         for c in range(draw(st.integers(0, 2))):
             parts.append(call(f"{run}-c{c}"))
@@ -472,28 +509,27 @@ def histories(draw: st.DrawFn) -> Spec:
                 parts.append(result(f"{run}-c{c}"))
             else:
                 bad.setdefault(run, set()).add("dangling")
-        approval = draw(st.sampled_from(["none", "none", "resolved", "open"]))
-        if approval != "none":
-            parts.append(ApprovalRequestPart(approval_id=f"{run}-a", call_id=f"{run}-ac", tool_name="pay"))
+        # only a run that paused for it (completed, provider_stop) carries an approval request
+        approval = draw(st.sampled_from(["none", "none", "resolved", "open"])) if status == "completed" else "none"
+        if approval != "none":  # the call waits for approval: suspended, no result in this run
+            parts.append(call(f"{run}-ac"))
+            parts.append(ApprovalRequestPart(approval_id=f"{run}-a", call_id=f"{run}-ac", tool_name="lookup"))
             if approval == "open":
                 bad.setdefault(run, set()).add("approval")
         if kind == "absorb":
             h.add(f"{run}:in0", "user", run_id=run)
             h.add(f"{run}b:in0", "user", run_id=f"{run}b")
-            status = "completed"
             parts.append(InputJoinedPart(run_id=f"{run}b", message_ids=(f"{run}b:in0",), step=0))
             parts.append(TextPart(text="after join"))
             alias[f"{run}b"] = run
             h.add(f"{run}:out", "assistant", *parts, status=status, run_id=run)
         else:
             h.turn(run, *parts, status=status, users=draw(st.integers(1, 2)))
-        if approval == "resolved":
-            h.add(
-                f"{run}:approval",
-                "tool",
-                ApprovalResponsePart(approval_id=f"{run}-a", call_id="x", approved=True),
-                run_id=run,
-            )
+        if approval == "resolved":  # the response queued a run that recorded the call with its result
+            response = ApprovalResponsePart(approval_id=f"{run}-a", call_id=f"{run}-ac", approved=True)
+            h.add(f"{run}x:approval", "tool", response, run_id=f"{run}x")
+            h.add(f"{run}x:out", "assistant", call(f"{run}-ac"), result(f"{run}-ac"), run_id=f"{run}x")
+            alias[f"{run}x"] = run  # a run without user input continues the turn before it
         if status == "superseded":
             bad.setdefault(run, set()).add("superseded")
         if status == "failed":
@@ -512,7 +548,7 @@ def key(spec: Spec, m: Message) -> str | None:
 def complete_answers(spec: Spec, marked: bool, removable: bool = False) -> list[str]:
     """Ids of the assistants of complete turns (run or seed), in order. ``removable``: the selector's
     notion, where a settled answered turn whose only defect is a dangling call is a turn too."""
-    out = []
+    out: dict[str, str] = {}  # one per turn: its last assistant
     for m in spec.messages:
         if m.role != "assistant" or m.band == "lead":
             continue
@@ -521,8 +557,8 @@ def complete_answers(spec: Spec, marked: bool, removable: bool = False) -> list[
         if removable:
             reasons = reasons - {"dangling"}
         if k is None or (not reasons and (marked or k not in spec.failed_runs)):
-            out.append(m.id)
-    return out
+            out[k or m.id] = m.id
+    return list(out.values())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -77,6 +77,7 @@ class ChatSession:
         self.lines: asyncio.Queue[str | None] = asyncio.Queue()
         self.last_interrupt = float("-inf")
         self.prompted = False
+        self.ended = False
         self.session = uuid.uuid4().hex[:8]
         self.sent = 0
 
@@ -106,7 +107,7 @@ class ChatSession:
         self.printer.note(markup)
 
     def prompt(self) -> None:
-        if not self.pending and not self.quit.is_set() and not self.prompted:
+        if not self.pending and not self.quit.is_set() and not self.prompted and not self.ended:
             self.printer.close_line()
             self.console.print(PROMPT, end="")
             self.console.file.flush()
@@ -228,6 +229,7 @@ class ChatSession:
             self.prompted = False
             self.printer.open_run = None  # the Enter key ended the line on screen
             if line is None:  # end of input: let the answers in progress finish (Ctrl-C leaves at once)
+                self.ended = True
                 if self.pending:
                     self.note("[dim](end of input: waiting for the answers in progress)[/]")
                     waiter = asyncio.ensure_future(asyncio.wait(set(self.pending)))
@@ -246,10 +248,17 @@ class ChatSession:
 
 
 async def _chat(
-    console: Console, choice: ModelChoice, *, db: Path | None, dsn: str | None, conversation: str | None, policy: str
+    console: Console,
+    choice: ModelChoice,
+    *,
+    db: Path | None,
+    dsn: str | None,
+    schema: str | None,
+    conversation: str | None,
+    policy: str,
 ) -> int:
     loop = asyncio.get_running_loop()
-    async with open_store(db, dsn) as opened:
+    async with open_store(db, dsn, schema=schema) as opened:
         conversation_id = conversation or await default_conversation(opened)
         new = conversation_id is None
         if conversation_id is None:
@@ -294,7 +303,9 @@ async def _chat(
             closed = await runtime.close(grace_period=0, force_timeout=10)
             for task in list(session.pending):
                 task.cancel()
-            session.note("")
+            if session.prompted:
+                console.print()
+            session.printer.close_line()
             left = f" {queued} unanswered message(s) stay queued for the next chat." if queued else ""
             if closed.timed_out:
                 left += f" {closed.remaining} run(s) did not stop in time: `threadline recover` settles them."

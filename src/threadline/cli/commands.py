@@ -8,7 +8,10 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +57,10 @@ def _reported() -> Iterator[None]:
         raise _fail(str(error) or type(error).__name__) from None
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:  # `threadline demo | head`: the reader left; stop quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(1) from None
 
 
 DbOption = Annotated[
@@ -200,7 +207,14 @@ def chat(
 
         check_policy(policy)
         status = run_chat(
-            db=db, dsn=dsn, conversation=conversation, model=model, base_url=base_url, policy=policy, pace=pace
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            model=model,
+            base_url=base_url,
+            policy=policy,
+            pace=pace,
         )
         raise typer.Exit(status)
 

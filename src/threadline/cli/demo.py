@@ -415,19 +415,19 @@ async def run_demo(console: Console, db: Path, *, pace: float = 0.03) -> None:
     path = db.expanduser().resolve()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     prefix = f"demo-{stamp}-{uuid.uuid4().hex[:4]}"
-    console.print(
-        Panel(
-            "Everything below runs through the real threadline runtime on a real SQLite file — offline, with "
-            "[bold]a built-in scripted model[/] instead of a provider (no network, no API key). The scripted "
-            "model reads its prompt and answers from a script; it pauses mid-answer on gates the demo holds, "
-            "so every outcome is decided by events, not timing. Every [green]✓[/] line is a checked fact.\n"
-            "For a real model: [bold]threadline chat --model openai:gpt-4.1-mini[/]",
-            title="threadline demo",
-            expand=False,
-        )
-    )
-    console.print(f"database  {escape(str(path))}")
     async with open_store(path, None) as opened:
+        console.print(
+            Panel(
+                "Everything below runs through the real threadline runtime on a real SQLite file — offline, with "
+                "[bold]a built-in scripted model[/] instead of a provider (no network, no API key). The scripted "
+                "model reads its prompt and answers from a script; it pauses mid-answer on gates the demo holds, "
+                "so every outcome is decided by events, not timing. Every [green]✓[/] line is a checked fact.\n"
+                "For a real model: [bold]threadline chat --model openai:gpt-4.1-mini[/]",
+                title="threadline demo",
+                expand=False,
+            )
+        )
+        console.print(f"database  {escape(str(path))}")
         demo = Demo(console, opened.store, path, prefix, pace)
         await demo.stream_scene()
         await demo.policies_scene()

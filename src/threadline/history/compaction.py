@@ -280,6 +280,10 @@ async def structured_compaction(
 class AgentCompactionHook:
     """Runtime-managed compaction before a step, when the application decides so from context usage.
 
+    Configure it as ``create_agent_runtime(..., history={"compaction": AgentCompactionHook(...)})``: the
+    loop calls it before every step with an ``AgentCompactionRequest`` and records the call as a
+    ``compaction`` run operation.
+
     ``should_compact(context_usage)`` (sync or async) gets the step's ``AgentContextUsage`` (the last
     step's prompt size beside the model's window; ``input_tokens`` None before the first step) and
     returns whether to compact now — the threshold is the application's. The rest are the arguments of
@@ -312,6 +316,11 @@ class AgentCompactionHook:
             return cls(**value)
         except TypeError as error:
             raise AgentRuntimeUsageError(f"compaction: {error}") from error
+
+    async def __call__(self, request: Any) -> AgentCompactionOutcome | None:
+        """The runtime's ``history={"compaction": hook}`` callback: ``request`` is the loop's
+        ``AgentCompactionRequest`` (``store``, ``conversation_id``, ``context_usage``)."""
+        return await self.before_step(request.store, request.conversation_id, request.context_usage)
 
     async def before_step(self, store: Any, conversation_id: str, context_usage: Any) -> AgentCompactionOutcome | None:
         """Compact when ``should_compact(context_usage)`` says so; None when it does not.

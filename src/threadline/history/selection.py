@@ -7,9 +7,14 @@
 - ``system``: one ``system`` message; ``summary``: one ``summary`` message (a compaction result);
 - ``turn``: the messages of one run, grouped by ``run_id`` — its user input(s) (one or more consecutive
   user messages: an input and the inputs coalesced into the same run), then its assistant, plus any
-  ``tool`` message of that run. Inputs a completed run absorbed from another run (its assistant carries
+  ``tool`` message of that run (the input of a run queued by an approval response is its ``tool``
+  message). Inputs a completed run absorbed from another run (its assistant carries
   an ``input-joined`` part naming that run) belong to the absorbing run's turn; that is where the store
   settles them, between the absorbing run's inputs and its assistant;
+- a run with no user input — the run an approval response queued (its input is a ``tool`` message)
+  — continues the ``turn`` or ``seed`` right before it and belongs to that unit: alone it would reach
+  the model as an answer to nothing. A unit then holds several runs (``run_ids``) and each run's
+  problem counts (``problems``);
 - ``seed``: history no run owns (``seed_conversation_input(placement='after-settled')``, no ``run_id``):
   consecutive run-less user messages and the run-less assistant right after them. A seeded exchange is
   settled and nothing will ever answer it, so a seed unit is complete even without an assistant.
@@ -27,7 +32,10 @@ A ``turn`` or ``seed`` unit is *complete* when ``problem`` is None. Otherwise ``
 - ``dangling-tool-call``: a tool call with no result in its step (also in an interrupted or failed
   assistant: a call whose result never arrived);
 - ``invalid-tool-chronology``: a result that answers no call of its step, or a repeated call id;
-- ``unresolved-approval``: an approval request no message answers with an approval response.
+- ``unresolved-approval``: an approval request no settled ``tool`` message answers with an approval
+  response. A response whose run has not settled yet does not count: that run still reads the signed
+  request from history before it executes the call. Once it has settled (it recorded the call again,
+  with its result or the denial), the requesting turn is complete: its suspended call is not dangling.
 
 **Selecting for a context window.** :func:`select_agent_history` keeps the input in order and removes
 only whole oldest complete turns until the counted history fits ``budget_tokens``. It never removes a
@@ -108,7 +116,12 @@ class AgentHistoryTurn:
     run_id: str | None = None
     """The run the unit belongs to (the absorbing run for absorbed inputs); None for other kinds."""
     problem: TurnProblem | None = None
-    """Why a ``turn``/``seed`` is not complete; always None for ``lead``, ``system`` and ``summary``."""
+    """Why a ``turn``/``seed`` is not complete (the first reason); always None for ``lead``, ``system``
+    and ``summary``."""
+    problems: tuple[TurnProblem, ...] = ()
+    """Every reason, one per run of the unit that has one."""
+    run_ids: tuple[str, ...] = ()
+    """The runs of the unit: its own, then any continuation runs."""
 
     @property
     def is_turn(self) -> bool:
@@ -132,11 +145,17 @@ class _Builder:
 
 
 def _tool_chronology(assistant: Message) -> TurnProblem | None:
-    """Mirror of the projection's step pairing: a call is answered in its own step, once."""
+    """Mirror of the projection's step pairing: a call is answered in its own step, once. A call that
+    asked for approval (and has no result here) is suspended, not dangling: the run that carries the
+    approval response records it again with its result."""
     pending: set[str] = set()
     seen: set[str] = set()
     closed = False
+    answered = {p.call_id for p in assistant.parts if p.type == "tool-result"}
+    suspended = {p.call_id for p in assistant.parts if p.type == "approval-request"} - answered
     for part in assistant.parts:
+        if part.type == "tool-call" and part.call_id in suspended:
+            continue
         if part.type in ("text", "reasoning", "tool-call") and closed:
             if pending:
                 return "dangling-tool-call"
@@ -195,7 +214,7 @@ def split_agent_history_turns(
     resolved: set[str] = set()
     for m in messages:
         for part in m.parts:
-            if part.type == "approval-response":
+            if part.type == "approval-response" and m.role == "tool" and m.position is not None:
                 resolved.add(part.approval_id)
             elif (
                 part.type == "input-joined"
@@ -234,16 +253,31 @@ def split_agent_history_turns(
                 builders.append(current)
             current.items.append((i, m))
 
+    # a run with no user input (the run an approval response queued, whose input is a ``tool`` message)
+    # continues the turn before it: alone it would reach the model as an answer to nothing
+    groups: list[list[_Builder]] = []
+    for builder in builders:
+        continues = builder.kind == "turn" and not any(m.role == "user" for _, m in builder.items)
+        if continues and groups and groups[-1][0].kind in ("turn", "seed"):
+            groups[-1].append(builder)
+        else:
+            groups.append([builder])
+
     turns = []
-    for b in builders:
-        problem = _problem(b, policy, resolved) if b.kind in ("turn", "seed") else None
+    for group in groups:
+        first = group[0]
+        problems: tuple[TurnProblem, ...] = ()
+        if first.kind in ("turn", "seed"):
+            problems = tuple(p for p in (_problem(b, policy, resolved) for b in group) if p is not None)
         turns.append(
             AgentHistoryTurn(
-                kind=b.kind,
-                messages=tuple(m for _, m in b.items),
-                indices=tuple(i for i, _ in b.items),
-                run_id=b.run_id,
-                problem=problem,
+                kind=first.kind,
+                messages=tuple(m for b in group for _, m in b.items),
+                indices=tuple(i for b in group for i, _ in b.items),
+                run_id=first.run_id,
+                problem=problems[0] if problems else None,
+                problems=problems,
+                run_ids=tuple(b.run_id for b in group if b.run_id is not None),
             )
         )
     return turns
@@ -377,10 +411,11 @@ def select_agent_history(
                 uncounted[i] = "failed"
             else:
                 rest.append((i, m))
-        if turn.problem in ("superseded", "failed"):
+        if not any(m.role == "assistant" for _, m in rest) and {"superseded", "failed"} & set(turn.problems):
             carry.extend(rest)  # answered by whichever turn follows
             continue
-        protect: SelectionReason | None = "incomplete" if turn.problem in _PROTECTING_PROBLEMS else None
+        protecting = _PROTECTING_PROBLEMS & set(turn.problems)
+        protect: SelectionReason | None = "incomplete" if protecting else None
         units.append(_Unit([*carry, *rest], protect, answered=protect is None))
         carry.clear()
     flush_carry()

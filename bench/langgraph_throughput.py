@@ -22,7 +22,12 @@ runs first.
   package is missing.
 
     system=langgraph store=<sqlite|postgres> processes=1 conversations=<c> turns_per_s=<x> total_turns=<n>
-        seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m> client_cpu_s=<s> machine_busy=<f>
+        seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m> client_cpu_s=<s> [server_cpu_s=<s>]
+        machine_busy=<f>
+
+``client_cpu_s``: CPU of this process during the timed section; ``server_cpu_s`` (PostgreSQL, local server):
+CPU of the run's server backends (found by ``application_name``); ``machine_busy``: the fraction of all
+CPUs busy (``/proc/stat``), other work on the machine included.
 """
 
 from __future__ import annotations
@@ -75,10 +80,31 @@ async def conversation(graph: Any, thread: str, turns: int, times_ns: list[int])
             raise RuntimeError(f"{thread} turn {k}: {len(messages)} messages, expected {4 * (k + 1)}")
 
 
-async def measure(saver: Any, store: str, args: Any) -> None:
+def backend_cpu(dsn: str, app: str) -> dict[int, float] | None:
+    """CPU seconds of the server backends whose ``application_name`` is ``app``, by pid (local server only)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        pids = [pid for (pid,) in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", [app])]
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return None
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out or None
+
+
+async def measure(
+    saver: Any, store: str, args: Any, server: Callable[[], dict[int, float] | None] | None = None
+) -> None:
     graph = agent(ScriptedChatModel(), saver)
     await conversation(graph, "warmup", 1, [])
     per_thread: list[list[int]] = [[] for _ in range(args.conversations)]
+    server0 = server() if server is not None else None
     busy0, cpu0 = cpu_ticks(), time.process_time()
     start = time.perf_counter_ns()
     await asyncio.wait_for(
@@ -88,6 +114,10 @@ async def measure(saver: Any, store: str, args: Any) -> None:
     wall_s = (time.perf_counter_ns() - start) / 1e9
     cpu_s = time.process_time() - cpu0
     busy1 = cpu_ticks()
+    server1 = server() if server is not None else None
+    server_cpu = None
+    if server1 is not None:
+        server_cpu = sum(cpu - (server0 or {}).get(pid, 0.0) for pid, cpu in server1.items())
     busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]) if busy1[1] > busy0[1] else float("nan")
     times = sorted(t for ts in per_thread for t in ts)
     n = len(times)
@@ -96,7 +126,9 @@ async def measure(saver: Any, store: str, args: Any) -> None:
         f"system=langgraph store={store} processes=1 conversations={args.conversations} "
         f"turns_per_s={n / wall_s:.1f} total_turns={n} seconds={wall_s:.2f} "
         f"p50_turn_ms={statistics.median(times) / 1e6:.1f} p90_turn_ms={q[-1] / 1e6:.1f} "
-        f"max_turn_ms={times[-1] / 1e6:.1f} client_cpu_s={cpu_s:.2f} machine_busy={busy:.2f}"
+        f"max_turn_ms={times[-1] / 1e6:.1f} client_cpu_s={cpu_s:.2f} "
+        + (f"server_cpu_s={server_cpu:.2f} " if server_cpu is not None else "")
+        + f"machine_busy={busy:.2f}"
         + (f" pool_max={args.pool_max}" if store == "postgres" else ""),
         flush=True,
     )
@@ -122,6 +154,7 @@ async def postgres_saver(dsn: str, schema: str, pool_max: int) -> AsyncIterator[
         "prepare_threshold": 0,
         "row_factory": dict_row,
         "options": f"-c search_path={schema}",
+        "application_name": schema,  # to find the run's backends (server_cpu_s)
     }
     async with AsyncConnectionPool(dsn, min_size=1, max_size=pool_max, kwargs=kwargs, open=False) as pool:
         yield AsyncPostgresSaver(pool)  # type: ignore[arg-type]
@@ -160,7 +193,7 @@ def with_schema(dsn: str, body: Callable[[str], Any]) -> None:
 async def postgres_run(args: Any, schema: str) -> None:
     async with postgres_saver(args.dsn, schema, args.pool_max) as saver:
         await saver.setup()
-        await measure(saver, "postgres", args)
+        await measure(saver, "postgres", args, lambda: backend_cpu(args.dsn, schema))
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/throughput.py [--configs sqlite-1 postgres-1 postgres-4] [--conversations 100]
                                          [--turns 10] [--model function|minimal] [--repeat 1]
                                          [--dsn postgresql://postgres@127.0.0.1:5432/test] [--pool-max 10]
-                                         [--profile sqlite-1|postgres-1]
+                                         [--verbose] [--profile sqlite-1|postgres-1] [--switch-interval S]
 
 DESIGN §5: 100 conversations × 10 turns in one process, at least 10× LangGraph on the same workload
 (``bench/langgraph_throughput.py``; anchor: 46.6 turns/s on its async SQLite checkpointer), and PostgreSQL
@@ -27,14 +27,20 @@ Configurations (``--configs``), one line each:
 
     system=threadline store=<sqlite|postgres> processes=<p> conversations=<c> turns_per_s=<x>
         total_turns=<n> seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m>
-        store_ops_per_turn=<o> commits_per_turn=<c> client_cpu_s=<s> machine_busy=<f> model=<m>
+        store_ops_per_turn=<o> commits_per_turn=<c> client_cpu_s=<s> [server_cpu_s=<s>] machine_busy=<f>
+        model=<m> [pool_max=<n>]
 
 ``p50_turn_ms``: the median time from ``submit`` to the result under this load (it includes waiting for
 the other conversations). ``commits_per_turn``: write operations per turn (``store.metrics``).
 ``client_cpu_s``: CPU time of the benchmark process(es) during the timed section (user + system, all
-threads); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/stat``; includes the
-PostgreSQL server). A PostgreSQL configuration is skipped with a ``# skipped:`` line when no server
-answers at ``--dsn``.
+threads); ``server_cpu_s``: CPU of the run's PostgreSQL backends (found in ``pg_stat_activity`` by
+``application_name``, which is set to the schema name; read from ``/proc``, so only for a server on this
+machine); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/stat``; other work included).
+A PostgreSQL configuration is skipped with a ``# skipped:`` line when no server answers at ``--dsn``.
+
+``--verbose`` (SQLite) adds the store's worker thread: its wall time inside transactions (every
+transaction runs on that one thread, one after another) and its CPU, and the event-loop thread's CPU.
+``--switch-interval`` sets ``sys.setswitchinterval`` in every process (a GIL diagnostic).
 
 ``--profile sqlite-1`` (or ``postgres-1``) runs the configuration once more, untimed, under cProfile: the
 event-loop thread (top 25 by cumulative time, top 15 by own time) and, for SQLite, the store's worker thread
@@ -166,7 +172,14 @@ async def run_batch(runtime: AgentRuntime, store: AgentRuntimeStore, cids: list[
 
 
 def report(
-    store: str, processes: int, conversations: int, wall_s: float, batches: list[Batch], busy: float, args: Any
+    store: str,
+    processes: int,
+    conversations: int,
+    wall_s: float,
+    batches: list[Batch],
+    busy: float,
+    args: Any,
+    server_cpu: float | None = None,
 ) -> None:
     times = sorted(t for b in batches for t in b.times_ns)
     n = len(times)
@@ -177,7 +190,9 @@ def report(
         f"p50_turn_ms={statistics.median(times) / 1e6:.1f} p90_turn_ms={q[-1] / 1e6:.1f} "
         f"max_turn_ms={times[-1] / 1e6:.1f} store_ops_per_turn={sum(b.ops for b in batches) / n:g} "
         f"commits_per_turn={sum(b.commits for b in batches) / n:g} "
-        f"client_cpu_s={sum(b.cpu_s for b in batches):.2f} machine_busy={busy:.2f} model={args.model}"
+        f"client_cpu_s={sum(b.cpu_s for b in batches):.2f} "
+        + (f"server_cpu_s={server_cpu:.2f} " if server_cpu is not None else "")
+        + f"machine_busy={busy:.2f} model={args.model}"
         + (f" pool_max={args.pool_max}" if store == "postgres" else "")
         + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else ""),
         flush=True,
@@ -300,10 +315,47 @@ def drop_schema(dsn: str, schema: str) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+def tagged_dsn(dsn: str, schema: str) -> str:
+    """``dsn`` with ``application_name=<schema>``: the run's server backends can be found in
+    ``pg_stat_activity`` (and their CPU read from ``/proc`` when the server is local)."""
+    from psycopg.conninfo import make_conninfo
+
+    return make_conninfo(dsn, application_name=schema)
+
+
+def backend_cpu(dsn: str, schema: str) -> dict[int, float] | None:
+    """CPU seconds (user + system) of every server backend serving this run, by pid; None when they
+    cannot be read (a remote server, or no ``/proc``)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        pids = [
+            pid for (pid,) in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", [schema])
+        ]
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return None
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out or None
+
+
+def server_cpu_s(before: dict[int, float] | None, after: dict[int, float] | None) -> float | None:
+    """CPU the run's backends spent between two readings (backends that appeared in between count whole:
+    connecting costs a few ms)."""
+    if after is None:
+        return None
+    return sum(cpu - (before or {}).get(pid, 0.0) for pid, cpu in after.items())
+
+
 async def postgres_open(args: Any, schema: str) -> Any:
     from threadline.store.postgres import create_postgres_agent_runtime_store
 
-    return create_postgres_agent_runtime_store(dsn=args.dsn, schema=schema, max_size=args.pool_max)
+    return create_postgres_agent_runtime_store(dsn=tagged_dsn(args.dsn, schema), schema=schema, max_size=args.pool_max)
 
 
 async def postgres_one(args: Any, schema: str, profile: bool = False) -> None:
@@ -315,10 +367,13 @@ async def postgres_one(args: Any, schema: str, profile: bool = False) -> None:
         if profile:
             await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "postgres-1", args)
         else:
+            server0 = backend_cpu(args.dsn, schema)
             busy0 = cpu_ticks()
             batch = await run_batch(runtime, store, cids, args.turns)
             busy = busy_fraction(busy0, cpu_ticks())
-            report("postgres", 1, args.conversations, (batch.end_ns - batch.start_ns) / 1e9, [batch], busy, args)
+            server = server_cpu_s(server0, backend_cpu(args.dsn, schema))
+            wall_s = (batch.end_ns - batch.start_ns) / 1e9
+            report("postgres", 1, args.conversations, wall_s, [batch], busy, args, server)
         await runtime.close()
 
 
@@ -335,6 +390,8 @@ async def child_main(args: Any) -> int:
             return 1
         batch = await run_batch(runtime, store, cids, args.turns)
         print(json.dumps(batch.__dict__), flush=True)
+        # keep the pool's connections until the parent has read the server backends' CPU
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         await runtime.close()
     return 0
 
@@ -354,6 +411,7 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
             line = child.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"child {child.pid} did not get ready: {line!r}")
+        server0 = backend_cpu(args.dsn, schema)
         busy0 = cpu_ticks()
         start_ns = time.monotonic_ns()
         for child in children:
@@ -368,6 +426,11 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
                 raise RuntimeError(f"child {child.pid} ended without a result (exit {child.wait()})")
             batches.append(Batch(**json.loads(line)))
         busy = busy_fraction(busy0, cpu_ticks())
+        server = server_cpu_s(server0, backend_cpu(args.dsn, schema))
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("exit\n")
+            child.stdin.flush()
         for child in children:
             if child.wait(timeout=60) != 0:
                 raise RuntimeError(f"child {child.pid} exited {child.returncode}")
@@ -378,7 +441,7 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
                 child.wait()
     end_ns = max(b.end_ns for b in batches)
     lag_ms = max(b.start_ns - start_ns for b in batches) / 1e6
-    report("postgres", processes, args.conversations, (end_ns - start_ns) / 1e9, batches, busy, args)
+    report("postgres", processes, args.conversations, (end_ns - start_ns) / 1e9, batches, busy, args, server)
     print(f"# postgres-{processes}: last child started {lag_ms:.1f} ms after the start signal", flush=True)
 
 

@@ -75,6 +75,14 @@ from .events import (
     durable_event_id as durable_event_id,
     export_event_json_schemas as export_event_json_schemas,
 )
+from .history.compaction import (
+    AgentCompactableHistory as AgentCompactableHistory,
+    AgentCompactionBarrier as AgentCompactionBarrier,
+    AgentCompactionHook as AgentCompactionHook,
+    AgentCompactionOutcome as AgentCompactionOutcome,
+    select_compactable_history as select_compactable_history,
+    structured_compaction as structured_compaction,
+)
 from .history.projection import (
     AgentHistoryEvidencePolicy as AgentHistoryEvidencePolicy,
     AgentHistoryProjection as AgentHistoryProjection,
@@ -87,9 +95,18 @@ from .history.projection import (
 from .history.prompt import (
     AgentPrompt as AgentPrompt,
     AgentPromptBudget as AgentPromptBudget,
+    AgentPromptContribution as AgentPromptContribution,
     ComposedAgentPrompt as ComposedAgentPrompt,
     compose_agent_prompt as compose_agent_prompt,
     decide_prompt_budget as decide_prompt_budget,
+    estimate_tool_schema_tokens as estimate_tool_schema_tokens,
+)
+from .history.selection import (
+    AgentHistorySelection as AgentHistorySelection,
+    AgentHistorySelectionDecision as AgentHistorySelectionDecision,
+    AgentHistoryTurn as AgentHistoryTurn,
+    select_agent_history as select_agent_history,
+    split_agent_history_turns as split_agent_history_turns,
 )
 from .loop import (
     AgentCompactionRequest as AgentCompactionRequest,
@@ -195,6 +212,10 @@ __all__ = [
     "AdmissionReceipt",
     "AgentAdmission",
     "AgentApprovalError",
+    "AgentCompactableHistory",
+    "AgentCompactionBarrier",
+    "AgentCompactionHook",
+    "AgentCompactionOutcome",
     "AgentCompactionRequest",
     "AgentContextOverflowError",
     "AgentContextUsage",
@@ -207,6 +228,9 @@ __all__ = [
     "AgentHistoryProjection",
     "AgentHistoryProjectionError",
     "AgentHistoryProjectionOptions",
+    "AgentHistorySelection",
+    "AgentHistorySelectionDecision",
+    "AgentHistoryTurn",
     "AgentIdempotencyConflictError",
     "AgentModelDescriptor",
     "AgentModelRegistry",
@@ -217,6 +241,7 @@ __all__ = [
     "AgentPrompt",
     "AgentPromptBudget",
     "AgentPromptContext",
+    "AgentPromptContribution",
     "AgentProtocol",
     "AgentProviderResponse",
     "AgentRecordNotFoundError",
@@ -324,6 +349,7 @@ __all__ = [
     "define_model_registry",
     "describe_internal_cause",
     "durable_event_id",
+    "estimate_tool_schema_tokens",
     "export_event_json_schemas",
     "export_json_schemas",
     "order_recoverable",
@@ -333,5 +359,9 @@ __all__ = [
     "reduce_agent_control_event",
     "reduce_agent_control_snapshot",
     "run_agent_store_conformance",
+    "select_agent_history",
+    "select_compactable_history",
+    "split_agent_history_turns",
+    "structured_compaction",
     "takeover_expired_leases",
 ]

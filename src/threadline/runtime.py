@@ -321,7 +321,14 @@ class AgentRuntime:
         self.projection_options = AgentHistoryProjectionOptions.model_validate(
             {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
         )
-        self.loop_settings.compaction = history_config.compaction
+        compaction = history_config.compaction
+        if isinstance(compaction, Mapping):
+            from .history.compaction import AgentCompactionHook
+
+            compaction = AgentCompactionHook.parse(compaction)
+        if compaction is not None and not callable(compaction):
+            raise AgentRuntimeUsageError("history.compaction is a callable or an AgentCompactionHook mapping")
+        self.loop_settings.compaction = compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
         self._sequences: dict[str, int] = {}

@@ -14,6 +14,7 @@ summary right after the last message it replaced.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -442,6 +443,74 @@ async def test_the_runtime_hook_compacts_before_steps_and_waits_for_an_approval_
             ("assistant", last.run.id),
         ]
         assert all(u is not None and u.context_window == 100_000 for u in usages)
+        await runtime.close()
+
+
+async def test_an_approval_answered_behind_another_run_is_not_compacted_away(tmp_path: Path) -> None:
+    """The response to an approval queues its run behind a run already executing; that run's later step
+    compacts before the approval run has read the signed request. The asking turn must survive it."""
+    effects: list[str] = []
+    entered = asyncio.Event()
+    release = asyncio.Event()
+
+    @define_agent_tool
+    async def charge(amount: int) -> str:
+        effects.append(f"charged {amount}")
+        return f"charged {amount}"
+
+    @define_agent_tool
+    async def lookup() -> str:
+        return "looked up"
+
+    async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[Any]:
+        last = messages[-1]
+        returns = [p for p in last.parts if isinstance(p, ToolReturnPart)] if isinstance(last, ModelRequest) else []
+        if returns:
+            yield f"the tool said: {returns[0].content}"
+        elif "charge" in last_user_text(messages).split(" | ")[-1]:
+            yield {0: DeltaToolCall(name="charge", json_args='{"amount": 5}', tool_call_id="call-charge")}
+        else:
+            entered.set()
+            await release.wait()
+            yield {0: DeltaToolCall(name="lookup", json_args="{}", tool_call_id="call-lookup")}
+
+    outcomes: list[Any] = []
+
+    async def compact(request: Any) -> None:
+        outcomes.append(await hook(request))
+
+    hook = AgentCompactionHook(
+        should_compact=lambda usage: True, summarize=lambda eligible, previous: "SUMMARY", keep_recent_turns=0
+    )
+    registry = define_model_registry(
+        models={"m": {"model": FunctionModel(stream_function=stream, model_name="scripted"), "context_window": 1000}}
+    )
+    async with create_sqlite_agent_runtime_store(filename=tmp_path / "approval.db") as sqlite:
+        runtime = create_agent_runtime(
+            protocol=define_agent_protocol(context=RuntimeContext),
+            store=sqlite.store,
+            models={"preflight": lambda: registry.preflight("m"), "resolve": lambda: registry.resolve("m")},
+            tools=[charge, lookup],
+            loop={"tool_approval": {"charge"}, "tool_approval_secret": "s3cret"},
+            history={"compaction": compact},
+        )
+        ctx = {"user_id": "u1"}
+        paused = await runtime.submit(
+            conversation_id=CID, idempotency_key="a", context=ctx, parts=text("charge me 5")
+        ).result
+        request = next(p for p in paused.assistant.parts if p.type == "approval-request")
+        busy = runtime.submit(conversation_id=CID, idempotency_key="b", context=ctx, parts=text("look it up"))
+        await asyncio.wait_for(entered.wait(), 10)
+        answer = await runtime.respond_to_approval(
+            conversation_id=CID, approval_id=request.approval_id, approved=True, context=ctx
+        )
+        release.set()
+        assert (await asyncio.wait_for(busy.result, 10)).terminal_reason == "success"
+        approved = await asyncio.wait_for(answer.result, 10)
+        assert approved.terminal_reason == "success" and effects == ["charged 5"]
+        # the lookup run's second step saw the asking turn's approval answered by a queued run: a barrier
+        barriers = [o.barrier.reason for o in outcomes if o is not None and o.outcome == "barrier" and o.barrier]
+        assert "unresolved-approval" in barriers
         await runtime.close()
 
 

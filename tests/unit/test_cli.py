@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,7 @@ def test_usage_errors_exit_2_without_a_traceback(args: list[str]) -> None:
         (["inspect", "runs", "--db", "missing.db", "--state", "sleeping"], "unknown run state 'sleeping'"),
         (["inspect", "messages", "--db", "missing.db", "--state", "sleeping"], "unknown message status"),
         (["recover", "--db", "missing.db"], "no database at missing.db"),
-        (["recover", "--abandon-stale", "--requeue"], "not both"),
+        (["recover", "--abandon-stale", "--requeue"], "choose one of"),
         (["inspect", "runs", "--schema", "s"], "--schema is for PostgreSQL"),
     ],
 )
@@ -389,20 +390,26 @@ def test_inspect_json_agrees_with_the_store(demo_runs: tuple[Path, subprocess.Co
 # ------------------------------------------------------------------------------------------ recover
 
 
-async def orphan_database(path: Path) -> tuple[str, str]:
+async def orphan_database(
+    path: Path, conversation_id: str = "orphaned", lease_expires_at: datetime | None = None
+) -> tuple[str, str]:
     """A file where a process that is gone left ``o1``'s run running, with ``o2`` queued behind it."""
     async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
         store = sqlite.store
         first = await store.accept_input_and_assign_run(
-            conversation_id="orphaned",
+            conversation_id=conversation_id,
             idempotency_key="o1",
             input={"id": "m1", "role": "user", "parts": [{"type": "text", "text": "Plan a day in Lisbon."}]},
         )
         await store.acquire_run(
-            conversation_id="orphaned", run_id=first.run.id, expected_revision=first.run.revision, owner_id="gone"
+            conversation_id=conversation_id,
+            run_id=first.run.id,
+            expected_revision=first.run.revision,
+            owner_id="gone",
+            lease_expires_at=lease_expires_at,
         )
         second = await store.accept_input_and_assign_run(
-            conversation_id="orphaned",
+            conversation_id=conversation_id,
             idempotency_key="o2",
             input={"id": "m2", "role": "user", "parts": [{"type": "text", "text": "Also suggest a restaurant."}]},
         )
@@ -449,6 +456,35 @@ def test_recover_requeue_runs_the_orphan_again(tmp_path: Path) -> None:
     assert [r[1:4] for r in rows] == [[first[:10], "requeued", "success"], [second[:10], "resumed", "success"]]
     messages = json.loads(invoke("inspect", "messages", "--db", str(db), "-c", "orphaned", "--json").stdout)
     assert [m["status"] for m in messages if m["role"] == "assistant"] == ["completed", "completed"]
+
+
+def test_recover_takeover_expired_requeues_only_expired_leases(tmp_path: Path) -> None:
+    db = tmp_path / "leases.db"
+    expired = asyncio.run(orphan_database(db, "expired", datetime.now(UTC) - timedelta(seconds=5)))
+    live = asyncio.run(orphan_database(db, "live", datetime.now(UTC) + timedelta(hours=1)))
+    result = invoke("recover", "--db", str(db), "--takeover-expired")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r[1]: r[2:4] for r in table_rows(result.stdout, {"expired", "live"})}
+    assert rows[expired[0][:10]] == ["requeued", "success"] and rows[expired[1][:10]] == ["resumed", "success"]
+    assert rows[live[0][:10]] == ["skipped", "—"] and rows[live[1][:10]] == ["blocked", "—"]
+
+
+def test_chat_continues_its_conversation_and_takes_over_an_expired_lease(tmp_path: Path) -> None:
+    """A chat killed mid-answer left its run holding a lease that expired: the next chat (default
+    conversation: the latest ``chat-…`` one) requeues it and answers both inputs, then leaves at end of input."""
+    db = tmp_path / "chat.db"
+    first, second = asyncio.run(orphan_database(db, "chat-earlier", datetime.now(UTC) - timedelta(seconds=1)))
+    result = runner.invoke(
+        app, ["chat", "--db", str(db), "--pace", "0"], input="", env={"COLUMNS": "200", "NO_COLOR": "1"}
+    )
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "conversation  chat-earlier " in out and "(new)" not in out
+    assert "lease expired" in out and "answering 2 message(s) left queued" in out
+    assert "A day in Lisbon" in out and "For dinner in Lisbon" in out
+    assert "bye — conversation chat-earlier is saved." in out
+    runs = json.loads(invoke("inspect", "runs", "--db", str(db), "--json").stdout)
+    assert [(r["id"], r["terminal_reason"]) for r in runs] == [(first, "success"), (second, "success")]
 
 
 # ---------------------------------------------------------------------------------------- postgres

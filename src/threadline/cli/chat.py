@@ -37,6 +37,9 @@ HISTORY = 6
 DOUBLE_PRESS = 2.0
 """Seconds within which a second Ctrl-C leaves instead of interrupting."""
 PROMPT = "[bold cyan]you ›[/] "
+LEASE = 30.0
+"""Seconds of the lease a chat holds on the answer it is running (renewed while it runs): a chat that was
+killed leaves a run whose lease expires, and the next chat on the conversation takes it over."""
 CHAT_PREFIX = "chat-"
 
 
@@ -116,16 +119,20 @@ class ChatSession:
     # ----------------------------------------------------------------------------------------- input
 
     def start_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read stdin on a thread, so the event loop keeps streaming while a person types."""
+
         def read() -> None:
             while True:
                 try:
                     line = sys.stdin.readline()
                 except (OSError, ValueError):
                     line = ""
-                if not line:
-                    loop.call_soon_threadsafe(self.lines.put_nowait, None)
+                try:
+                    loop.call_soon_threadsafe(self.lines.put_nowait, line.rstrip("\r\n") if line else None)
+                except RuntimeError:  # the chat ended and its loop is closed
                     return
-                loop.call_soon_threadsafe(self.lines.put_nowait, line.rstrip("\r\n"))
+                if not line:
+                    return
 
         threading.Thread(target=read, name="threadline-chat-stdin", daemon=True).start()
 
@@ -199,10 +206,29 @@ class ChatSession:
         if not active.runs:
             return
         head = active.runs[0]
+        if head.acquired and head.lease_expires_at is not None and head.lease_expires_at <= datetime.now(UTC):
+            # its process stopped renewing the lease: it is gone. The chat's only tool reads the clock,
+            # so answering again is safe (replay_safe)
+            with contextlib.suppress(ThreadlineError):
+                await opened.store.recover_run(
+                    conversation_id=self.conversation_id,
+                    run_id=head.id,
+                    expected_revision=head.revision,
+                    action="requeue",
+                    replay_safe=True,
+                )
+                self.note(f"[yellow]run {escape(head.id)}'s lease expired (its chat is gone): answering it again[/]")
+            active = await opened.store.list_active_runs(conversation_id=self.conversation_id)
+            if not active.runs:
+                return
+            head = active.runs[0]
         if head.acquired:
+            until = ""
+            if head.lease_expires_at is not None:
+                until = f" until its lease expires ({head.lease_expires_at.astimezone().strftime('%H:%M:%S')})"
             self.note(
-                f"[yellow]run {escape(head.id)} was left {head.state} by {escape(head.owner_id or '?')}[/], a "
-                "process that may be gone: new messages wait behind it. If it is gone, run "
+                f"[yellow]run {escape(head.id)} is {head.state} in another process ({escape(head.owner_id or '?')})"
+                f"[/]: new messages wait behind it{until}. If that process is gone, run "
                 f"[bold]threadline recover --abandon-stale -c {escape(self.conversation_id)}[/]"
             )
             return
@@ -272,6 +298,7 @@ async def _chat(
             tools=[clock_tool()],
             publish=session.on_event,
             operator_publish=session.on_operator,
+            lease_duration=LEASE,
         )
         session.runtime = runtime
         console.print(f"[bold]threadline chat[/]  database {escape(opened.where)}")

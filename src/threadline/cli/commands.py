@@ -243,6 +243,14 @@ def recover(
             "model request is safe: a tool effect may repeat).",
         ),
     ] = False,
+    takeover_expired: Annotated[
+        bool,
+        typer.Option(
+            "--takeover-expired",
+            help="Runs whose lease expired (their owner stopped renewing it) are requeued and run again; runs "
+            "with a live lease, or none, are skipped.",
+        ),
+    ] = False,
     conversation: Annotated[
         list[str] | None,
         typer.Option("--conversation", "-c", help="Only these conversations (repeatable); others are left alone."),
@@ -263,6 +271,7 @@ def recover(
             schema=schema_name,
             abandon_stale=abandon_stale,
             requeue=requeue,
+            takeover_expired=takeover_expired,
             conversations=conversation or [],
             model=model,
             base_url=base_url,

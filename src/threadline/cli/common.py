@@ -168,6 +168,7 @@ def build_runtime(
     owner_id: str | None = None,
     checkpoint_every_events: int = 20,
     coalesce_pending: bool = False,
+    lease_duration: float | None = None,
     instructions: str = "You are a concise assistant. Answer in a few sentences.",
 ) -> AgentRuntime:
     """A runtime over ``store`` with one model (a pydantic-ai ``Model`` or name) and ``tools``."""
@@ -175,6 +176,8 @@ def build_runtime(
     runs: dict[str, Any] = {"input_policy": policy, "coalesce_pending": coalesce_pending}
     if owner_id is not None:
         runs["owner_id"] = owner_id
+    if lease_duration is not None:
+        runs["lease_duration"] = lease_duration
     return create_agent_runtime(
         protocol=define_agent_protocol(context=CliContext),
         store=store,

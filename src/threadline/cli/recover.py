@@ -3,7 +3,9 @@
 Queued runs are resumed (and answered with ``--model``, default the built-in scripted model). Runs a dead
 process left ``running`` are skipped by default — this command cannot know the process is dead, so the
 runs queued behind them stay blocked — unless you assert it: ``--abandon-stale`` ends them ``abandoned``,
-``--requeue`` runs them again (a model request is replayed; a tool effect may repeat).
+``--requeue`` runs them again (a model request is replayed; a tool effect may repeat), ``--takeover-expired``
+runs again only those whose lease expired (runtimes with ``runs.lease_duration`` renew a lease while they
+execute).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import ThreadlineError
+from ..runtime import takeover_expired_leases
 from .common import CliContext, CliUsageError, build_runtime, check_model, choose_model, clock_tool, open_store
 from .render import StreamPrinter, reason_markup, say, short
 
 HINTS = {
-    "skipped": "left running by a process that may be dead: --abandon-stale or --requeue if it is",
+    "skipped": "held by a process that may be dead: --abandon-stale, --requeue or --takeover-expired if it is",
     "blocked": "queued behind a skipped run",
     "abandoned": "ended 'abandoned' (stale owner)",
 }
@@ -43,6 +46,7 @@ async def _recover(
     choice: Any,
 ) -> int:
     selected = set(conversations)
+    takeover = takeover_expired_leases()
 
     def chosen(run: Any) -> bool:
         return not selected or run.conversation_id in selected
@@ -50,6 +54,8 @@ async def _recover(
     def policy(run: Any) -> dict[str, Any]:
         if not chosen(run) or action == "skip":
             return {"action": "skip"}
+        if action == "takeover":
+            return takeover(run)
         if action == "abandon":
             return {"action": "abandon", "stale_owner": True}
         return {"action": "requeue", "replay_safe": True}
@@ -112,15 +118,16 @@ def run_recover(
     abandon_stale: bool,
     requeue: bool,
     conversations: list[str],
+    takeover_expired: bool = False,
     model: str | None,
     base_url: str | None,
     pace: float,
 ) -> int:
-    if abandon_stale and requeue:
-        raise CliUsageError("choose --abandon-stale or --requeue, not both")
+    if abandon_stale + requeue + takeover_expired > 1:
+        raise CliUsageError("choose one of --abandon-stale, --requeue and --takeover-expired")
     choice = choose_model(model, base_url, pace=pace)
     check_model(choice, model or "scripted")
-    action = "abandon" if abandon_stale else "requeue" if requeue else "skip"
+    action = "abandon" if abandon_stale else "requeue" if requeue else "takeover" if takeover_expired else "skip"
     console = Console(highlight=False)
     return asyncio.run(
         _recover(console, db=db, dsn=dsn, schema=schema, action=action, conversations=conversations, choice=choice)

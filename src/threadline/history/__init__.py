@@ -1,5 +1,14 @@
 """Conversation history: projecting canonical records onto what a model is sent."""
 
+from .compaction import (
+    AgentCompactableHistory as AgentCompactableHistory,
+    AgentCompactionBarrier as AgentCompactionBarrier,
+    AgentCompactionHook as AgentCompactionHook,
+    AgentCompactionOutcome as AgentCompactionOutcome,
+    select_compactable_history as select_compactable_history,
+    structured_compaction as structured_compaction,
+    summary_text as summary_text,
+)
 from .projection import (
     FAILED_MARKER as FAILED_MARKER,
     INTERRUPTED_MARKER as INTERRUPTED_MARKER,
@@ -14,26 +23,53 @@ from .projection import (
 from .prompt import (
     AgentPrompt as AgentPrompt,
     AgentPromptBudget as AgentPromptBudget,
+    AgentPromptContribution as AgentPromptContribution,
     ComposedAgentPrompt as ComposedAgentPrompt,
+    RenderedContribution as RenderedContribution,
     compose_agent_prompt as compose_agent_prompt,
     decide_prompt_budget as decide_prompt_budget,
     estimate_tokens as estimate_tokens,
+    estimate_tool_schema_tokens as estimate_tool_schema_tokens,
+)
+from .selection import (
+    AgentHistorySelection as AgentHistorySelection,
+    AgentHistorySelectionDecision as AgentHistorySelectionDecision,
+    AgentHistoryTurn as AgentHistoryTurn,
+    estimate_message_tokens as estimate_message_tokens,
+    select_agent_history as select_agent_history,
+    split_agent_history_turns as split_agent_history_turns,
 )
 
 __all__ = (
     "FAILED_MARKER",
     "INTERRUPTED_MARKER",
+    "AgentCompactableHistory",
+    "AgentCompactionBarrier",
+    "AgentCompactionHook",
+    "AgentCompactionOutcome",
     "AgentHistoryEvidencePolicy",
     "AgentHistoryProjection",
     "AgentHistoryProjectionError",
     "AgentHistoryProjectionOptions",
+    "AgentHistorySelection",
+    "AgentHistorySelectionDecision",
+    "AgentHistoryTurn",
     "AgentProjectionDecision",
     "AgentPrompt",
     "AgentPromptBudget",
+    "AgentPromptContribution",
     "ComposedAgentPrompt",
+    "RenderedContribution",
     "compose_agent_prompt",
     "decide_prompt_budget",
+    "estimate_message_tokens",
     "estimate_tokens",
+    "estimate_tool_schema_tokens",
     "project_agent_history",
     "project_agent_history_detailed",
+    "select_agent_history",
+    "select_compactable_history",
+    "split_agent_history_turns",
+    "structured_compaction",
+    "summary_text",
 )

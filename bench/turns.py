@@ -165,6 +165,8 @@ def checkpoint(path: Path) -> None:
 
 
 MODEL_KIND = "function"
+COMPACTION = False
+COMPACT_ABOVE_TOKENS = 3000
 
 
 def make_runtime(store: AgentRuntimeStore, publish: Callable[[Any], Any] | None = None) -> AgentRuntime:
@@ -175,12 +177,28 @@ def make_runtime(store: AgentRuntimeStore, publish: Callable[[Any], Any] | None 
     else:
         model = FunctionModel(stream_function=scripted, model_name="scripted")
     registry = define_model_registry(models={"m": {"model": model, "context_window": 10**8}})
+    history = None
+    if COMPACTION:
+        from threadline.history.compaction import AgentCompactionHook
+
+        async def summarize(messages: Any, previous: Any) -> str:
+            return f"summary of {len(messages)} earlier messages"
+
+        # the application's threshold: compact once more than 60 messages are settled in the prompt
+        history = {
+            "compaction": AgentCompactionHook(
+                should_compact=lambda usage: (usage.input_tokens or 0) > COMPACT_ABOVE_TOKENS,
+                summarize=summarize,
+                keep_recent_turns=10,
+            )
+        }
     return create_agent_runtime(
         protocol=define_agent_protocol(context=Context),
         store=store,
         models={"resolve": lambda: registry.resolve("m")},
         tools=[lookup],
         publish=publish,
+        history=history,
     )
 
 
@@ -346,7 +364,7 @@ async def window(
     median_ms = statistics.median(base.times_ns) / 1e6
     print(
         f"system=threadline store=sqlite messages={size} per_turn_ms={median_ms:.2f} db_bytes={size_now} "
-        f"turns={size // 2} history={grow} window_turns={turns} model={MODEL_KIND} "
+        f"turns={size // 2} history={grow} window_turns={turns} model={MODEL_KIND} compaction={COMPACTION} "
         f"p90_ms={statistics.quantiles(base.times_ns, n=10)[-1] / 1e6:.2f}",
         flush=True,
     )
@@ -469,14 +487,20 @@ async def main() -> int:
     parser.add_argument("--publish", choices=("json",), default=None, help="compare with a JSON publisher")
     parser.add_argument("--verbose", action="store_true", help="per-operation store breakdown")
     parser.add_argument(
+        "--compaction",
+        action="store_true",
+        help="runtime-managed compaction (a hook that summarizes when the last prompt passed a threshold)",
+    )
+    parser.add_argument(
         "--model",
         choices=("function", "minimal"),
         default="function",
         help="pydantic-ai FunctionModel, or a scripted Model whose cost per request ignores the history",
     )
     args = parser.parse_args()
-    global MODEL_KIND
+    global MODEL_KIND, COMPACTION
     MODEL_KIND = args.model
+    COMPACTION = args.compaction
     if any(s < 2 * args.window for s in args.sizes) or any(s % 2 for s in args.sizes):
         parser.error(f"sizes are even and at least 2 × --window ({2 * args.window})")
     import threadline

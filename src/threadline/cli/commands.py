@@ -1,4 +1,5 @@
-"""The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover`` and ``schema``.
+"""The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover``, ``worker`` and
+``schema``.
 
 Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` (an
 unreadable database, a missing credential, an unknown policy…) becomes one line ``error: <message>`` on
@@ -276,6 +277,46 @@ def recover(
             model=model,
             base_url=base_url,
             pace=pace,
+        )
+        raise typer.Exit(status)
+
+
+@app.command()
+def worker(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+    model: ModelOption = None,
+    base_url: BaseUrlOption = None,
+    lease: Annotated[float, typer.Option("--lease", help="Seconds of lease on each executing run.", min=1)] = 30.0,
+    poll: Annotated[float, typer.Option("--poll", help="Seconds between sweeps for queued work.", min=0.05)] = 1.0,
+    grace: Annotated[float, typer.Option("--grace", help="On SIGTERM: seconds runs may finish on their own.")] = 30.0,
+    force: Annotated[float, typer.Option("--force", help="Then: seconds to wait for aborted runs to settle.")] = 5.0,
+    takeover_expired: Annotated[
+        bool,
+        typer.Option(
+            "--takeover-expired",
+            help="Take over runs whose owner's lease expired (you assert replaying them is safe).",
+        ),
+    ] = False,
+) -> None:
+    """Execute whatever is queued (runs admitted by any process) until SIGTERM, then close gracefully."""
+    with _reported():
+        from .worker import run_worker
+
+        status = asyncio.run(
+            run_worker(
+                db=db,
+                dsn=dsn,
+                schema=schema_name,
+                model=model,
+                base_url=base_url,
+                lease=lease,
+                poll=poll,
+                grace=grace,
+                force=force,
+                replay_safe=takeover_expired,
+            )
         )
         raise typer.Exit(status)
 

@@ -39,7 +39,8 @@ machine); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/sta
 A PostgreSQL configuration is skipped with a ``# skipped:`` line when no server answers at ``--dsn``.
 
 ``--verbose`` (SQLite) adds the store's worker thread: its wall time inside transactions (every
-transaction runs on that one thread, one after another) and its CPU, and the event-loop thread's CPU.
+transaction runs on that one thread, one after another; ``worker_busy`` near 1 means that thread sets the
+pace) and its CPU, and the event-loop thread's CPU (their sum near ``wall_s``: the GIL lets one run at a time).
 ``--switch-interval`` sets ``sys.setswitchinterval`` in every process (a GIL diagnostic).
 
 ``--profile sqlite-1`` (or ``postgres-1``) runs the configuration once more, untimed, under cProfile: the
@@ -259,11 +260,11 @@ async def sqlite_run(args: Any, profile: bool = False) -> None:
                 report("sqlite", 1, args.conversations, wall_s, [batch], busy, args)
                 if clock is not None and before is not None:
                     after = await clock.read()
+                    in_tx_s = (after[0] - before[0]) / 1e9
                     print(
-                        f"# sqlite-1 threads: wall_s={wall_s:.2f} worker_in_tx_s={(after[0] - before[0]) / 1e9:.2f} "
-                        f"worker_cpu_s={after[1] - before[1]:.2f} loop_thread_cpu_s={after[2] - before[2]:.2f} "
-                        f"(worker_in_tx_s close to wall_s: the single SQLite thread is the bottleneck; "
-                        f"in_tx well above cpu: it waits, for the GIL or the disk)",
+                        f"# sqlite-1 threads: wall_s={wall_s:.2f} worker_in_tx_s={in_tx_s:.2f} "
+                        f"worker_busy={in_tx_s / wall_s:.2f} worker_cpu_s={after[1] - before[1]:.2f} "
+                        f"loop_thread_cpu_s={after[2] - before[2]:.2f}",
                         flush=True,
                     )
             await runtime.close()

@@ -40,7 +40,7 @@ def build_runtime(store, *, hang: bool, publish=None, owner_id=None):
         words = f"Here is a careful answer to '{question}', in several words.".split(" ")
         for i, word in enumerate(words):
             yield word if i == 0 else " " + word
-            if hang and i == 5:
+            if hang and i == 2:  # right after the 3rd word, which completes a checkpoint
                 await asyncio.Event().wait()  # mid-answer, for ever: the parent kills this process
 
     registry = define_model_registry(models={"m": {"model": FunctionModel(stream_function=model)}})

@@ -827,6 +827,11 @@ class AgentRuntime:
             lane.control.abort("interrupted")
         return result
 
+    def executing_run(self, conversation_id: str) -> str | None:
+        """The id of the run this process is executing in the conversation, if any."""
+        lane = self.lanes.get(conversation_id)
+        return lane.control.run_id if lane is not None and lane.control is not None else None
+
     def stop(self, conversation_id: str, reason: Literal["interrupt", "supersede", "cancel"] = "interrupt") -> bool:
         """Process-local escape hatch: abort the conversation's executing run in this process. ``interrupt``
         (someone saw the partial answer: it stays, marked), ``supersede`` (nobody saw it: it leaves the
@@ -984,6 +989,7 @@ class AgentRuntime:
         policy: Callable[[Run], Mapping[str, Any]] | None = None,
         page_size: int = 100,
         max_runs: int | None = None,
+        conversation_ids: Collection[str] | None = None,
     ) -> list[AgentRecoveryOutcome]:
         """One recovery pass: read bounded pages of active runs, restore each conversation's execution
         order, then resume queued runs (reported after durable acquisition) and apply ``policy`` to acquired
@@ -993,7 +999,7 @@ class AgentRuntime:
         cursor = None
         while True:
             page = await self.store.scan_recoverable(cursor=cursor, limit=page_size)
-            runs.extend(page.runs)
+            runs.extend(r for r in page.runs if conversation_ids is None or r.conversation_id in conversation_ids)
             if max_runs is not None and len(runs) >= max_runs:
                 runs = runs[:max_runs]
                 break

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import shutil
 import sys
 import uuid
@@ -33,7 +35,8 @@ class Tmux:
 
     def __init__(self) -> None:
         self.socket = f"threadline-test-{uuid.uuid4().hex[:8]}"
-        self.session = "chat"
+        self.session = ""
+        self.started = 0
 
     async def tmux(self, *args: str) -> str:
         proc = await asyncio.create_subprocess_exec(
@@ -51,40 +54,19 @@ class Tmux:
         return out.decode()
 
     async def start(self, command: list[str], cwd: Path, env: dict[str, str]) -> None:
-        """Run ``command`` in a fresh 200×50 pane that stays on screen after the command exits."""
+        """Run ``command`` in a fresh 200×50 pane. The pane's shell waits for it, then prints
+        ``[exited <status>]`` and stays (tmux does not always reap a pane's process promptly, so the exit
+        status is read from the screen, from the shell that waited for it). The shell's own trap keeps
+        Ctrl-C for the command: the command still starts with the default SIGINT handling."""
         exports = [f"-e{key}={value}" for key, value in env.items()]
-        if await self.alive():
-            await self.tmux("kill-session", "-t", self.session)
+        previous, self.started = self.session, self.started + 1
+        self.session = f"chat{self.started}"
+        script = f"trap 'true' INT; {shlex.join(command)}; echo \"[exited $?]\"; exec sleep 3600"
         await self.tmux(
-            "new-session",
-            "-d",
-            "-s",
-            self.session,
-            "-x",
-            "200",
-            "-y",
-            "50",
-            "-c",
-            str(cwd),
-            *exports,
-            "sleep 0.2; exec " + " ".join(command),
+            "new-session", "-d", "-s", self.session, "-x", "200", "-y", "50", "-c", str(cwd), *exports, script
         )
-        await self.tmux("set-option", "-t", self.session, "remain-on-exit", "on")
-
-    async def alive(self) -> bool:
-        proc = await asyncio.create_subprocess_exec(
-            "tmux",
-            "-L",
-            self.socket,
-            "-f",
-            "/dev/null",
-            "has-session",
-            "-t",
-            self.session,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        return await proc.wait() == 0
+        if previous:  # after the new one exists: killing the last session would stop the server
+            await self.tmux("kill-session", "-t", previous)
 
     async def type(self, text: str) -> None:
         await self.tmux("send-keys", "-t", self.session, "-l", text)
@@ -110,19 +92,22 @@ class Tmux:
             await asyncio.sleep(0.1)
         raise AssertionError(f"{text!r} did not appear within {WAIT}s; the screen:\n{screen}")
 
-    async def exit_status(self) -> int:
+    async def wait_prompt(self) -> str:
+        """Wait until the chat shows its prompt on the last line (ready for input)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT
+        screen = ""
         while loop.time() < deadline:
-            dead, _, status = (
-                (await self.tmux("display", "-p", "-t", self.session, "#{pane_dead} #{pane_dead_status}"))
-                .strip()
-                .partition(" ")
-            )
-            if dead == "1":
-                return int(status)
+            screen = await self.screen()
+            if screen.rstrip().endswith("you ›"):
+                return screen
             await asyncio.sleep(0.1)
-        raise AssertionError(f"the command did not exit; the screen:\n{await self.screen()}")
+        raise AssertionError(f"no prompt within {WAIT}s; the screen:\n{screen}")
+
+    async def exit_status(self) -> int:
+        """The command's exit status, once its shell printed it."""
+        screen = await self.wait_for("[exited ")
+        return int(re.findall(r"\[exited (\d+)\]", screen)[-1])
 
     async def kill(self) -> None:
         proc = await asyncio.create_subprocess_exec(
@@ -168,7 +153,13 @@ def chat_command(base_url: str, db: Path) -> list[str]:
 
 
 def clean_env() -> dict[str, str]:
-    env = {"COLUMNS": "200", "LINES": "50", "TERM": "xterm-256color", "PYTHONUNBUFFERED": "1"}
+    env = {
+        "COLUMNS": "200",
+        "LINES": "50",
+        "TERM": "xterm-256color",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
     env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
     return env
 
@@ -188,7 +179,7 @@ async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: P
 
         # first session: a new conversation
         await tmux.start(command, tmp_path, clean_env())
-        screen = await tmux.wait_for("you ›")
+        screen = await tmux.wait_prompt()
         assert "(new)" in screen and "policy queue" in screen
         await tmux.type("hi there")
         screen = await tmux.wait_for("Hello from the fault server.")
@@ -196,7 +187,7 @@ async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: P
         assert "in 12" in screen and "out 5" in screen and "⟨success⟩" in screen
 
         # an answer that hangs mid-stream: Ctrl-C interrupts it durably, the chat stays open
-        await tmux.wait_for("you ›", after="Hello from the fault server.")
+        await tmux.wait_prompt()
         await tmux.type("tell me a story")
         await tmux.wait_for("Once upon a time")
         await tmux.key("C-c")
@@ -205,7 +196,7 @@ async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: P
         await asyncio.wait_for(server.wait_for_disconnect(1), WAIT)  # the provider call really ended
 
         # type again: the next answer streams, and the model saw the cut-off answer, marked
-        await tmux.wait_for("you ›", after="⟨interrupted⟩")
+        await tmux.wait_prompt()
         await tmux.type("still there?")
         await tmux.wait_for("Still here after the interrupt.")
         sent = server.requests[2].messages
@@ -214,14 +205,14 @@ async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: P
         assert "Once upon a time" in answers and INTERRUPTED_MARKER in answers
 
         # leave: Ctrl-C when nothing is answering
-        await tmux.wait_for("you ›", after="Still here after the interrupt.")
+        await tmux.wait_prompt()
         await tmux.key("C-c")
         await tmux.wait_for("bye")
         assert await tmux.exit_status() == 0
 
         # restart the command: the same conversation, its history on screen, and it continues
         await tmux.start(command, tmp_path, clean_env())
-        screen = await tmux.wait_for("you ›")
+        screen = await tmux.wait_prompt()
         assert "(new)" not in screen
         history = screen.split("last ", 1)[1]
         assert "still there?" in history and "Still here after the interrupt." in history
@@ -230,7 +221,7 @@ async def test_chat_streams_interrupts_and_continues_after_a_restart(tmp_path: P
         await tmux.wait_for("Welcome back.")
         sent = server.requests[3].messages
         assert [m["content"] for m in sent if m["role"] == "user"][-2:] == ["still there?", "hello again"]
-        await tmux.wait_for("you ›", after="Welcome back.")
+        await tmux.wait_prompt()
         await tmux.type("/quit")
         await tmux.wait_for("bye", after="Welcome back.")
         assert await tmux.exit_status() == 0
@@ -255,6 +246,6 @@ async def test_chat_without_a_credential_is_one_line(tmp_path: Path, tmux: Tmux)
         env,
     )
     assert await tmux.exit_status() == 2
-    lines = [line for line in (await tmux.screen()).splitlines() if line.strip() and "Pane is dead" not in line]
+    lines = [line for line in (await tmux.screen()).splitlines() if line.strip() and "[exited" not in line]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "OPENAI_API_KEY" in lines[0], lines
     assert not (tmp_path / "x.db").exists()

@@ -33,7 +33,7 @@ async def run_worker(
     replay_safe: bool,
 ) -> int:
     choice = choose_model(model, base_url)
-    check_model(choice, "model")
+    check_model(choice, model or "scripted")
     async with open_store(db, dsn, schema=schema) as opened:
         runtime = build_runtime(opened.store, choice.model, tools=[lookup_tool()], lease_duration=lease, owner_id=None)
         stop = asyncio.Event()

@@ -395,7 +395,9 @@ class _OwnedRun:
         self.checkpoints = 0
         self._lock = asyncio.Lock()
 
-    async def _reconcile(self, error: AgentStoreConflictError) -> None:
+    async def _still_owned(self) -> Run | None:
+        """The run as stored now, if this execution still owns it (same owner and fencing token, acquired);
+        a durable interrupt found on the way aborts the run locally."""
         loaded = await with_store_retry(
             lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
         )
@@ -406,20 +408,35 @@ class _OwnedRun:
             or current.owner_id != self.env.owner_id
             or current.fencing_token != self.run.fencing_token
         ):
-            raise _FenceLost(error)
-        self.run = current
+            return None
         if current.state == "interrupt_requested":
             self.control.abort("interrupted")
+        return current
 
-    async def _owned(self, write: Callable[[Run], Awaitable[Any]]) -> Any:
+    async def _owned(self, mutate: Callable[..., Awaitable[Any]], **fields: Any) -> Any:
+        """One owned mutation of the run (``mutate`` is a store method taking the run's identity, expected
+        revision, owner and fencing token, plus ``fields``), serialized with the run's other owned writes."""
         async with self._lock:
             for attempt in range(3):
+                run = self.run
                 try:
-                    result = await with_store_retry(lambda: write(self.run))
+                    result = await with_store_retry(
+                        lambda run=run: mutate(
+                            conversation_id=run.conversation_id,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            owner_id=self.env.owner_id,
+                            fencing_token=run.fencing_token,
+                            **fields,
+                        )
+                    )
                 except AgentRunRevisionConflictError as error:
                     if attempt == 2:
                         raise _Failure("storage_conflict", error) from error
-                    await self._reconcile(error)
+                    current = await self._still_owned()
+                    if current is None:
+                        raise _FenceLost(error) from error
+                    self.run = current
                     continue
                 except (AgentRunOwnershipConflictError, AgentRunStateConflictError) as error:
                     raise _FenceLost(error) from error
@@ -437,20 +454,7 @@ class _OwnedRun:
         """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit. ``preceding``
         is a phase that commit also stands for (a first output folded into the step's completion): its
         event is published first, with its original timestamp."""
-        store = self.env.store
-
-        async def write(run: Run) -> Any:
-            return await store.checkpoint_run_assistant(
-                conversation_id=run.conversation_id,
-                run_id=run.id,
-                expected_revision=run.revision,
-                owner_id=self.env.owner_id,
-                fencing_token=run.fencing_token,
-                parts=list(parts),
-                operation=operation,
-            )
-
-        result = await self._owned(write)
+        result = await self._owned(self.env.store.checkpoint_run_assistant, parts=list(parts), operation=operation)
         self.checkpoints += 1
         run = self.run
         self.env.publish(
@@ -480,55 +484,21 @@ class _OwnedRun:
         )
 
     async def record(self, operation: RunOperation) -> None:
-        store = self.env.store
-
-        async def write(run: Run) -> Any:
-            return await store.record_run_operation(
-                conversation_id=run.conversation_id,
-                run_id=run.id,
-                expected_revision=run.revision,
-                owner_id=self.env.owner_id,
-                fencing_token=run.fencing_token,
-                operation=operation,
-            )
-
-        result = await self._owned(write)
+        result = await self._owned(self.env.store.record_run_operation, operation=operation)
         self._published_operation(operation, result.version)
 
     async def renew(self, expires_at: Any) -> None:
-        store = self.env.store
-
-        async def write(run: Run) -> Any:
-            return await store.renew_run_lease(
-                conversation_id=run.conversation_id,
-                run_id=run.id,
-                expected_revision=run.revision,
-                owner_id=self.env.owner_id,
-                fencing_token=run.fencing_token,
-                lease_expires_at=expires_at,
-            )
-
-        await self._owned(write)
+        await self._owned(self.env.store.renew_run_lease, lease_expires_at=expires_at)
 
     async def fence(self) -> None:
         """Check that this process still owns the run, before a step's tool effects. (A result is accepted
         only by the next owned commit, whose CAS checks ownership again.)"""
         try:
-            loaded = await with_store_retry(
-                lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=self.run.id)
-            )
+            current = await self._still_owned()
         except Exception as error:
             raise _Failure("runtime_failure", error) from error
-        current = loaded.run if loaded else None
-        if (
-            current is None
-            or not current.acquired
-            or current.owner_id != self.env.owner_id
-            or current.fencing_token != self.run.fencing_token
-        ):
+        if current is None:
             raise _FenceLost(RuntimeError(f"run {self.run.id} is no longer owned by {self.env.owner_id}"))
-        if current.state == "interrupt_requested":
-            self.control.abort("interrupted")
 
 
 # -------------------------------------------------------------------------------------- execution
@@ -1160,9 +1130,12 @@ class _Execution:
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:
                 try:
-                    await self.owned._reconcile(error)
-                except _FenceLost as lost:
-                    return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=lost.cause, steps=self.steps)
+                    current = await self.owned._still_owned()
+                except Exception as unread:  # the store cannot say who holds the run now
+                    return RunOutcome(reason=None, run=self.run, usage=self.usage, unsettled=unread, steps=self.steps)
+                if current is None:
+                    return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=error, steps=self.steps)
+                self.owned.run = current
                 if self.owned.run.state == "interrupt_requested" and reason in COMPLETED_REASONS:
                     reason, parts = "interrupted", [*parts, ControlPart()]
                 if attempt < 2:

@@ -315,6 +315,7 @@ def metrics_delta(
 
 
 def print_profile(title: str, profile: cProfile.Profile, limit: int, sort: str) -> None:
+    limit = int(os.environ.get("THREADLINE_BENCH_PROFILE_LINES", limit))
     buffer = io.StringIO()
     stats = pstats.Stats(profile, stream=buffer)
     stats.strip_dirs().sort_stats(sort).print_stats(limit)

@@ -1,9 +1,13 @@
 """The embedded driver (default): stdlib ``sqlite3`` in WAL mode, one dedicated thread per connection.
 
-Every store operation is one job on the connection's worker thread: ``BEGIN IMMEDIATE`` (writes) or
-``BEGIN`` (reads), the whole reducer operation through :func:`~threadline.store.driver.drive_sync`, then
-``COMMIT`` — or ``ROLLBACK`` on any exception, so a failed call writes nothing. One thread hop and at
-most one commit per operation; the event loop never touches the connection.
+Every store operation is one job on the connection's worker thread; the event loop never touches the
+connection. The worker runs the jobs waiting in its queue together (group commit): one transaction —
+``BEGIN IMMEDIATE`` if any of them writes, else ``BEGIN`` — each whole reducer operation in turn through
+:func:`~threadline.store.driver.drive_sync`, its writes under a savepoint when it shares the transaction,
+then one ``COMMIT`` and one wake-up of the event loop for every caller of the batch. An operation that
+raises is rolled back to its savepoint and writes nothing; the others commit. A caller gets its answer
+only after the ``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose
+answer depended on it gets the error. Alone in the queue, an operation is one transaction of its own.
 
 The schema lives only in objects named ``threadline_*``; an application may keep its own tables (and
 ``PRAGMA user_version``) in the same file. Records are stored as their JSON, beside the few columns the
@@ -279,6 +283,9 @@ _SEARCH = (
     "ORDER BY f.rank LIMIT ?"
 )
 _SORT_COLUMNS = ("band_rank", "position", "sub", "seq")
+_SAVEPOINT = "SAVEPOINT threadline_op"
+_RELEASE = "RELEASE threadline_op"
+_ROLLBACK_TO = "ROLLBACK TO threadline_op"
 
 # ------------------------------------------------------------------------------------------ error mapping
 
@@ -409,12 +416,29 @@ def _chunks(ids: Sequence[str]) -> Iterable[Sequence[str]]:
 
 
 class _SqliteRows:
-    """The :class:`~threadline.store.driver.SyncRows` primitives over one connection (worker thread only)."""
+    """The :class:`~threadline.store.driver.SyncRows` primitives over one connection (worker thread only).
+
+    ``writable`` is the current operation's access (a read operation that writes is a bug). ``isolate``
+    is set while the operation shares its transaction with others: its first write then opens
+    ``SAVEPOINT threadline_op`` (``savepoint`` becomes true), so a failure undoes exactly its own rows.
+    An operation that only reads needs no savepoint. ``wrote`` records that the operation wrote.
+    """
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.writable = False
+        self.isolate = False
+        self.savepoint = False
+        self.wrote = False
         self.cache = _RecordCache()
+
+    def _begin_write(self, what: str) -> None:
+        if not self.writable:
+            raise AssertionError(f"a read operation {what}")
+        if self.isolate and not self.savepoint:
+            self.conn.execute(_SAVEPOINT)
+            self.savepoint = True
+        self.wrote = True
 
     # ------------------------------------------------------------------ decoding rows of one table
 
@@ -588,8 +612,7 @@ class _SqliteRows:
         return body
 
     def write(self, r: Write) -> None:
-        if not self.writable:
-            raise AssertionError("a read operation wrote")
+        self._begin_write("wrote")
         m = r.mutation
         if m.head is None:
             raise AssertionError("every mutation writes the conversation head")
@@ -639,8 +662,7 @@ class _SqliteRows:
             raise
 
     def purge(self, r: Purge) -> None:
-        if not self.writable:
-            raise AssertionError("a read operation purged")
+        self._begin_write("purged")
         cid = (r.conversation_id,)
         for sql in _PURGE:
             self.conn.execute(sql, cid)
@@ -654,10 +676,25 @@ class _SqliteRows:
 
 # ----------------------------------------------------------------------------------------- worker thread
 
+_MAX_BATCH = 64
+"""Jobs one transaction takes at most. A batch only ever holds jobs already waiting when the worker looks
+(nothing waits to fill one), so under light load it is a single job. The bound caps what one failed COMMIT
+can take down and how long the first caller of a batch waits behind the others: 64 operations are a few
+milliseconds of work, while the write lock is held (other connections get ``AgentStoreBusyError`` for that
+long, as they would for 64 separate transactions in a row). Beyond a few dozen, a bigger batch saves
+almost nothing: the per-transaction cost (BEGIN, COMMIT, one wake-up of the loop) is already spread thin."""
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():  # else the awaiting task was cancelled; the transaction committed or rolled back
-        future.set_result(None)
+# A job is (kind, a, b, c, loop, future, box).
+_JOB_OP = 0  # a, b, c = the operation generator, its access, its OperationStats
+_JOB_SEARCH = 1  # a, b, c = conversation_id, query, limit
+_JOB_CALL = 2  # a, b = fn, args: run between transactions (bench hooks)
+_JOB_CLOSE = 3
+
+
+def _wake_all(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():  # else its caller was cancelled; whatever the job did stands
+            future.set_result(None)
 
 
 def _fts5_available(conn: sqlite3.Connection) -> bool:
@@ -673,7 +710,22 @@ def _fts5_available(conn: sqlite3.Connection) -> bool:
 
 
 class SqliteStoreDriver:
-    """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection on its own thread."""
+    """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection on its own thread.
+
+    **Group commit.** The worker takes the first waiting job together with the ones queued behind it (at
+    most ``max_batch``) and runs them, in queue order, in one transaction — ``BEGIN IMMEDIATE`` if any of
+    them writes, else ``BEGIN`` — then one ``COMMIT`` and one wake-up of the event loop for all of their
+    callers. Each operation's writes are isolated by a savepoint (opened at its first write, only when the
+    transaction is shared), so an operation that raises leaves nothing and the others go on. Answers are
+    delivered only after the ``COMMIT``; if it fails (or SQLite aborts the transaction), every operation
+    whose answer depended on it gets the mapped error and nothing of it is durable. An operation sees the
+    rows written by the operations before it in its batch, exactly as if they had committed one by one.
+
+    ``max_batch`` is the most jobs one transaction takes. Counters (read from any thread):
+    ``transactions`` begun, ``operations`` run in them (operations and searches), and ``transaction_ns``,
+    the worker's wall time inside transactions (``BEGIN`` to ``COMMIT``); ``operations / transactions`` is
+    the mean batch size.
+    """
 
     def __init__(
         self,
@@ -682,10 +734,15 @@ class SqliteStoreDriver:
         synchronous: str = "NORMAL",
     ) -> None:
         self.filename = filename
+        self.max_batch = _MAX_BATCH
+        self.transactions = 0
+        self.operations = 0
+        self.transaction_ns = 0
         self._synchronous = synchronous
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._broken = False
         self._close_future: asyncio.Future[None] | None = None
         self._init_error: BaseException | None = None
         ready = threading.Event()
@@ -735,23 +792,143 @@ class SqliteStoreDriver:
             return
         self._rows = _SqliteRows(conn)
         ready.set()
-        get = self._jobs.get
+        jobs = self._jobs
+        max_batch = self.max_batch
+        held: tuple[Any, ...] | None = None
         while True:
-            fn, args, loop, future, box = get()
-            if fn is None:  # close: every job accepted before it has run
+            job = jobs.get() if held is None else held
+            held = None
+            kind = job[0]
+            if kind <= _JOB_SEARCH:
+                batch = [job]
+                while len(batch) < max_batch:
+                    try:
+                        job = jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job[0] > _JOB_SEARCH:
+                        held = job  # a call or the close runs after this batch, in queue order
+                        break
+                    batch.append(job)
+                self._run_batch(batch)
+                del batch
+            else:
+                box = job[6]
                 try:
-                    conn.close()
-                    box += (True, None)
+                    if kind == _JOB_CALL:
+                        box += (True, job[1](*job[2]))
+                    else:  # close: every job accepted before it has run
+                        conn.close()
+                        box += (True, None)
                 except BaseException as error:
                     box += (False, error)
-                _post(loop, future)
-                return
+                _post(job[4], [job[5]])
+                if kind == _JOB_CLOSE:
+                    return
+                del box
+            del job
+
+    def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
+        """Run ``batch`` (in as few transactions as it takes: normally one), then wake each caller's loop
+        once for the whole batch."""
+        start = time.perf_counter_ns()
+        try:
+            todo = batch
+            while todo:
+                todo = self._batch_transaction(todo)
+        except BaseException as error:  # a bug in this driver: still, no caller may wait for ever
+            for job in batch:
+                if not job[6]:
+                    job[6] += (False, error)
+        finally:
+            self.transaction_ns += time.perf_counter_ns() - start
+        loop = batch[0][4]
+        if all(job[4] is loop for job in batch):
+            _post(loop, [job[5] for job in batch])
+        else:
+            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+            for job in batch:
+                by_loop.setdefault(job[4], []).append(job[5])
+            for loop, futures in by_loop.items():
+                _post(loop, futures)
+
+    def _batch_transaction(self, todo: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Run ``todo`` in one transaction and fill every job's box; return the jobs that did not run
+        because SQLite aborted the transaction under them (they get a transaction of their own)."""
+        rows = self._rows
+        conn = rows.conn
+        write = any(job[0] == _JOB_OP and job[2] == "write" for job in todo)
+        try:
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        except sqlite3.Error as error:
+            self._rollback(conn)
+            reads = []
+            for job in todo:
+                if write and _is_busy(error) and not (job[0] == _JOB_OP and job[2] == "write"):
+                    reads.append(job)  # another connection's write lock stops writes only; reads go on
+                else:
+                    self._fail(job, error)
+            return reads
+        self.transactions += 1
+        rows.isolate = len(todo) > 1
+        dirty = False  # an operation that succeeded here wrote: the answers after it saw uncommitted rows
+        pending: list[tuple[Any, ...]] = []  # answers that stand only if this transaction commits
+        rest: list[tuple[Any, ...]] = []
+        lost: BaseException | None = None
+        failed = False
+        for index, job in enumerate(todo):
+            box = job[6]
+            rows.wrote = False
+            self._broken = False
+            self.operations += 1
             try:
-                box += (True, fn(*args))
+                if job[0] == _JOB_OP:
+                    box += (True, self._transaction(job[1], job[2], job[3]))
+                else:
+                    box += (True, self._search(job[1], job[2], job[3]))
             except BaseException as error:
                 box += (False, error)
-            _post(loop, future)
-            del fn, args, loop, future, box
+                failed = True
+                if self._broken or not conn.in_transaction:
+                    # SQLite rolled the transaction back (or a savepoint would not roll back): what ran
+                    # before is gone, and what did not run yet needs a transaction of its own
+                    lost, rest = error, todo[index + 1 :]
+                    break
+                continue
+            if dirty or rows.wrote:
+                dirty = True
+                pending.append(job)
+        rows.isolate = False
+        if lost is not None or (failed and len(todo) == 1):
+            self._rollback(conn)  # a lone operation has no savepoint: its failure rolls back everything
+        else:
+            try:
+                conn.execute("COMMIT")
+            except BaseException as error:
+                self._rollback(conn)
+                lost = error
+        if lost is not None:
+            for job in pending:
+                job[6][:] = (False, self._failure(lost))
+        return rest
+
+    def _fail(self, job: tuple[Any, ...], error: BaseException) -> None:
+        if job[0] == _JOB_OP:
+            job[1].close()
+        job[6][:] = (False, self._failure(error))
+
+    def _failure(self, error: BaseException) -> Exception:
+        """A fresh error for a job whose transaction could not begin or commit because of ``error``
+        (nothing of the job was written)."""
+        cause = error.__cause__ if isinstance(error.__cause__, sqlite3.Error) else error
+        mapped = _map_error(cause, self.filename) if isinstance(cause, sqlite3.Error) else None
+        if mapped is None:
+            mapped = AgentStoreUnavailableError(
+                f"{self.filename}: the transaction was rolled back ({type(error).__name__}: {error}); "
+                "nothing of this call was written"
+            )
+        mapped.__cause__ = error
+        return mapped
 
     def _initialize(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA busy_timeout = 0")
@@ -811,42 +988,47 @@ class SqliteStoreDriver:
         return True
 
     def _transaction(self, operation: Operation[T], access: Access, stats: OperationStats) -> T:
-        conn = self._rows.conn
+        """Run one operation inside the batch's open transaction (``bench/`` wraps this hook to time it).
+
+        If it raises, its savepoint (opened at its first write when the transaction is shared) is rolled
+        back and released, so it leaves nothing; a lone operation is rolled back with the transaction."""
+        rows = self._rows
+        rows.writable = access == "write"
         try:
-            conn.execute("BEGIN IMMEDIATE" if access == "write" else "BEGIN")
-            self._rows.writable = access == "write"
-            result = drive_sync(operation, self._rows, stats)
-            conn.execute("COMMIT")
+            result = drive_sync(operation, rows, stats)
+            if rows.savepoint:
+                rows.conn.execute(_RELEASE)
+                rows.savepoint = False
             return result
         except BaseException as error:
             operation.close()
-            self._rollback(conn)
+            if rows.savepoint:
+                rows.savepoint = False
+                try:
+                    rows.conn.execute(_ROLLBACK_TO)
+                    rows.conn.execute(_RELEASE)
+                except sqlite3.Error:
+                    self._broken = True  # the transaction cannot be trusted: it is rolled back whole
             if isinstance(error, sqlite3.Error):
                 mapped = _map_error(error, self.filename)
                 if mapped is not None:
                     raise mapped from error
             raise
         finally:
-            self._rows.writable = False
+            rows.writable = False
 
     def _search(self, conversation_id: str, query: str, limit: int) -> list[Message]:
-        conn = self._rows.conn
         try:
-            conn.execute("BEGIN")
-            found = self._rows.search(conversation_id, query, limit)
-            conn.execute("COMMIT")
-            return found
-        except BaseException as error:
-            self._rollback(conn)
+            return self._rows.search(conversation_id, query, limit)
+        except sqlite3.Error as error:
             if isinstance(error, sqlite3.OperationalError) and getattr(error, "sqlite_errorcode", None) == 1:
                 # SQLITE_ERROR from a fixed, valid statement: the caller's FTS5 query does not parse
                 raise AgentRecordValidationError(
                     f"query is not a valid FTS5 query: {error}; quote words with double quotes", field="query"
                 ) from error
-            if isinstance(error, sqlite3.Error):
-                mapped = _map_error(error, self.filename)
-                if mapped is not None:
-                    raise mapped from error
+            mapped = _map_error(error, self.filename)
+            if mapped is not None:
+                raise mapped from error
             raise
 
     @staticmethod
@@ -858,8 +1040,8 @@ class SqliteStoreDriver:
 
     # ------------------------------------------------------------------------------ loop side
 
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` on the worker thread and return its result (or raise its exception).
+    async def _submit(self, kind: int, a: object, b: object, c: object) -> Any:
+        """Queue one job for the worker thread and return its answer (or raise its exception).
 
         The answer travels in ``box``, not in the future: asyncio keeps the waking future referenced until
         the loop finishes its batch, and a large answer (a whole snapshot) freed there would make the next
@@ -871,19 +1053,34 @@ class SqliteStoreDriver:
         with self._lock:
             if self._closed:
                 raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
-            self._jobs.put((fn, args, loop, future, box))
+            self._jobs.put((kind, a, b, c, loop, future, box))
         await future
         ok, value = box
         box.clear()
         if ok:
-            return value  # type: ignore[no-any-return]
+            return value
         try:
             raise value
         finally:
             del value
 
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the worker thread, between transactions (in queue order), and return its
+        result. A private hook for ``bench/`` (profilers, thread CPU time)."""
+        return await self._submit(_JOB_CALL, fn, args, None)  # type: ignore[no-any-return]
+
     async def run(self, operation: Callable[[], Operation[T]], *, access: Access, stats: OperationStats) -> T:
-        return await self._call(self._transaction, operation(), access, stats)
+        """Run ``operation()`` on the worker thread, in a transaction it may share with the operations
+        queued at the same moment (group commit).
+
+        When it returns, the transaction holding its writes has committed: durable against a process
+        crash with ``synchronous='NORMAL'``, against power loss too with ``'FULL'``. When it raises,
+        nothing it attempted was written; another operation of the same batch failing does not make it
+        fail unless the shared transaction itself could not commit. Cancelling the awaiting task does not
+        withdraw the operation: once queued it runs, and it may still commit (with its batch) — the caller
+        cannot tell whether it did; read back or retry with the same identity.
+        """
+        return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
         if not isinstance(conversation_id, str) or not conversation_id:
@@ -894,7 +1091,7 @@ class SqliteStoreDriver:
             raise AgentRecordValidationError(
                 f"limit must be between 1 and {MAX_SEARCH_LIMIT}, got {limit!r}", field="limit"
             )
-        return await self._call(self._search, conversation_id, query, limit)
+        return await self._submit(_JOB_SEARCH, conversation_id, query, limit)  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         """Let every accepted job finish, close the connection and stop the thread. Idempotent."""
@@ -904,7 +1101,7 @@ class SqliteStoreDriver:
                 loop = asyncio.get_running_loop()
                 future = self._close_future = loop.create_future()
                 self._closed = True
-                self._jobs.put((None, (), loop, future, []))
+                self._jobs.put((_JOB_CLOSE, None, None, None, loop, future, []))
         if future is None:
             return
         if future.get_loop() is asyncio.get_running_loop():
@@ -914,9 +1111,9 @@ class SqliteStoreDriver:
         self._thread.join()
 
 
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+def _post(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[None]]) -> None:
     with contextlib.suppress(RuntimeError):  # the loop was closed: nobody is waiting any more
-        loop.call_soon_threadsafe(_wake, future)
+        loop.call_soon_threadsafe(_wake_all, futures)
 
 
 def _is_notadb(error: sqlite3.Error) -> bool:

@@ -1,0 +1,326 @@
+"""Group commit in the SQLite driver, on real files.
+
+The worker runs the jobs waiting in its queue in one transaction, each operation isolated by a savepoint.
+To make a batch deterministic, a *gate* (a read operation handed to ``driver.run``, the driver protocol)
+holds the worker thread until the test opens it; every job queued meanwhile waits, and the next
+transactions take them together, ``driver.max_batch`` at a time. ``driver.transactions`` and
+``driver.operations`` count what the worker did. No verdict depends on timing; a generous timeout only
+keeps a broken build from hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Generator
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from threadline.errors import (
+    AgentConversationPurgedError,
+    AgentRecordValidationError,
+    AgentStoreBusyError,
+    AgentStoreUnavailableError,
+)
+from threadline.records import ConversationHead
+from threadline.store import AgentRuntimeStore
+from threadline.store.driver import LoadHead, Mutation, OperationStats, Write
+from threadline.store.sqlite import SqliteStoreDriver, create_sqlite_agent_runtime_store
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+WAIT = 60.0  # seconds; only a broken build ever waits this long
+
+
+def text(t: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": t}]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "threadline.db"
+
+
+class Gate:
+    """Holds the worker thread inside a read operation until the ``async with`` block ends."""
+
+    def __init__(self, driver: SqliteStoreDriver) -> None:
+        self.driver = driver
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.task: asyncio.Future[Any] | None = None
+
+    def _operation(self) -> Generator[Any, Any, str]:
+        yield LoadHead("gate")
+        self.entered.set()
+        self.released.wait(WAIT)
+        return "gate"
+
+    async def __aenter__(self) -> Gate:
+        self.task = asyncio.ensure_future(self.driver.run(self._operation, access="read", stats=OperationStats()))
+        assert await asyncio.to_thread(self.entered.wait, WAIT), "the worker never ran the gate"
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await asyncio.sleep(0)  # every task started in the block has handed its job to the worker
+        self.released.set()
+        assert self.task is not None
+        assert await self.task == "gate"
+
+
+def queue(*calls: Any) -> list[asyncio.Future[Any]]:
+    return [asyncio.ensure_future(call) for call in calls]
+
+
+async def settle(tasks: list[asyncio.Future[Any]]) -> list[Any]:
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
+
+
+def accept(store: AgentRuntimeStore, cid: str, key: str) -> Any:
+    return store.accept_input_and_assign_run(
+        conversation_id=cid, idempotency_key=key, input={"id": f"{cid}:{key}", "parts": text(f"input {key}")}
+    )
+
+
+def head(cid: str, version: int = 1) -> ConversationHead:
+    return ConversationHead(conversation_id=cid, version=version, created_at=NOW, updated_at=NOW)
+
+
+def writes_then_raises(cid: str) -> Generator[Any, Any, None]:
+    """An operation that writes a head, then fails: it must leave nothing."""
+    yield LoadHead(cid)
+    yield Write(Mutation(head=head(cid)))
+    raise RuntimeError("the operation failed after writing")
+
+
+def writes_then_hits_the_purge_guard(cid: str, purged: str) -> Generator[Any, Any, None]:
+    """Writes a head, then a head for a purged conversation: SQLite's trigger aborts the second write."""
+    yield Write(Mutation(head=head(cid)))
+    yield Write(Mutation(head=head(purged)))
+
+
+def reads_then_writes(cid: str) -> Generator[Any, Any, None]:
+    yield LoadHead(cid)
+    yield Write(Mutation(head=head(cid)))
+
+
+def heads_in(path: Path) -> set[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return {cid for (cid,) in conn.execute("SELECT conversation_id FROM threadline_conversations")}
+    finally:
+        conn.close()
+
+
+async def test_operations_queued_together_share_transactions(db: Path) -> None:
+    conversations = 20
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        driver = sqlite.driver
+        n = driver.max_batch + 36
+        async with Gate(driver):
+            transactions, operations = driver.transactions, driver.operations
+            tasks = queue(*(accept(sqlite.store, f"c{i % conversations}", f"k{i}") for i in range(n)))
+            searches = queue(sqlite.search_messages("c0", "input"), sqlite.search_messages("c1", '"unterminated'))
+        results = await settle(tasks)
+        found, invalid = await settle(searches)
+        assert all(not isinstance(r, BaseException) and r.outcome == "accepted" for r in results), results
+        # every job queued behind the gate ran in ceil((n + 2) / max_batch) transactions, in queue order
+        assert driver.operations - operations == n + 2
+        assert driver.transactions - transactions == -(-(n + 2) // driver.max_batch) == 2
+        # inside a shared transaction each operation saw the ones before it, as if committed one by one
+        for c in range(conversations):
+            versions = [r.version for i, r in enumerate(results) if i % conversations == c]
+            assert versions == list(range(1, len(versions) + 1))
+        assert found == []  # accepted inputs are not settled yet: nothing to find
+        assert isinstance(invalid, AgentRecordValidationError)
+    async with create_sqlite_agent_runtime_store(filename=db) as again:
+        for c in range(conversations):
+            active = await again.store.list_active_runs(conversation_id=f"c{c}")
+            assert len(active.runs) == len(range(c, n, conversations))
+
+
+async def test_a_failing_operation_leaves_no_trace_and_its_batch_commits(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        assert (await store.purge_conversation(conversation_id="purged")).outcome == "purged"
+        async with Gate(driver):
+            transactions = driver.transactions
+            tasks = queue(
+                accept(store, "c1", "k1"),
+                driver.run(lambda: writes_then_raises("ghost"), access="write", stats=OperationStats()),
+                accept(store, "c2", "k2"),
+                driver.run(
+                    lambda: writes_then_hits_the_purge_guard("phantom", "purged"),
+                    access="write",
+                    stats=OperationStats(),
+                ),
+                accept(store, "purged", "k3"),  # refused by the reducer: the conversation was purged
+                accept(store, "c1", "k4"),
+            )
+        first, raised, second, guarded, refused, third = await settle(tasks)
+        assert driver.transactions - transactions == 1  # all six shared one transaction
+        assert isinstance(raised, RuntimeError)
+        assert isinstance(guarded, AgentConversationPurgedError)
+        assert isinstance(refused, AgentConversationPurgedError)
+        assert [first.outcome, second.outcome, third.outcome] == ["accepted"] * 3
+        assert third.version == first.version + 1
+    assert heads_in(db) == {"c1", "c2"}  # no ghost, no phantom; the purged conversation stays purged
+    async with create_sqlite_agent_runtime_store(filename=db) as again:
+        assert len((await again.store.list_active_runs(conversation_id="c1")).runs) == 2
+        assert len((await again.store.list_active_runs(conversation_id="c2")).runs) == 1
+        assert (await again.store.load_snapshot(conversation_id="ghost")).version == 0
+
+
+async def test_a_read_operation_that_writes_still_fails(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        with pytest.raises(AssertionError):  # alone in its transaction
+            await driver.run(lambda: reads_then_writes("alone"), access="read", stats=OperationStats())
+        async with Gate(driver):
+            tasks = queue(
+                accept(store, "c1", "k1"),
+                driver.run(lambda: reads_then_writes("batched"), access="read", stats=OperationStats()),
+                accept(store, "c2", "k2"),
+            )
+        first, wrote, second = await settle(tasks)
+        assert isinstance(wrote, AssertionError)
+        assert first.outcome == second.outcome == "accepted"
+    assert heads_in(db) == {"c1", "c2"}
+
+
+async def test_close_while_jobs_are_queued_runs_them_all(db: Path) -> None:
+    sqlite = create_sqlite_agent_runtime_store(filename=db)
+    n = 2 * sqlite.driver.max_batch + 5
+    async with Gate(sqlite.driver):
+        tasks = queue(*(accept(sqlite.store, f"c{i}", "k") for i in range(n)))
+        await asyncio.sleep(0)  # the jobs are queued before the close
+        closing = queue(sqlite.close())
+    results = await settle(tasks)
+    await settle(closing)
+    assert all(not isinstance(r, BaseException) and r.outcome == "accepted" for r in results), results
+    with pytest.raises(AgentStoreUnavailableError):
+        await accept(sqlite.store, "late", "k")
+    assert len(heads_in(db)) == n
+
+
+async def test_write_lock_held_elsewhere_fails_the_writes_of_a_batch_and_not_its_reads(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        await accept(store, "c1", "k1")
+        holder = sqlite3.connect(db, isolation_level=None, timeout=0)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            async with Gate(driver):
+                tasks = queue(
+                    accept(store, "c2", "k2"),
+                    store.list_active_runs(conversation_id="c1"),
+                    accept(store, "c1", "k3"),
+                    store.load_snapshot(conversation_id="c1"),
+                )
+            blocked, active, also_blocked, snapshot = await settle(tasks)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert isinstance(blocked, AgentStoreBusyError)
+        assert isinstance(also_blocked, AgentStoreBusyError)
+        assert len(active.runs) == 1
+        assert snapshot.version == 1
+        assert (await accept(store, "c2", "k2")).outcome == "accepted"  # released: nothing was half-applied
+    assert heads_in(db) == {"c1", "c2"}
+
+
+class FaultyConnection:
+    """Forwards to the driver's connection, failing the chosen statements the way SQLite fails them."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.commits = 0
+        self.fail_commit = 0  # the n-th COMMIT from now fails (0: none)
+        self.abort_head_of: str | None = None  # writing this conversation's head aborts the transaction
+
+    @staticmethod
+    def error(name: str, code: int) -> sqlite3.OperationalError:
+        error = sqlite3.OperationalError(f"{name} (injected by the test)")
+        error.sqlite_errorcode = code  # type: ignore[attr-defined]
+        error.sqlite_errorname = name  # type: ignore[attr-defined]
+        return error
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.commits == self.fail_commit:
+                raise self.error("SQLITE_IOERR", 10)
+        head_insert = sql.startswith("INSERT INTO threadline_conversations")
+        if head_insert and args and args[0][0] == self.abort_head_of:
+            self.conn.execute("ROLLBACK")  # what SQLite may do on SQLITE_FULL: the whole transaction
+            raise self.error("SQLITE_FULL", 13)
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+@pytest.fixture
+async def faulty(db: Path) -> Any:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        rows = sqlite.driver._rows  # the fault is injected between the driver and SQLite
+        real = rows.conn
+        rows.conn = FaultyConnection(real)  # type: ignore[assignment]
+        try:
+            yield sqlite, rows.conn
+        finally:
+            rows.conn = real
+
+
+async def test_a_failed_commit_fails_every_answer_that_depended_on_it(db: Path, faulty: Any) -> None:
+    sqlite, conn = faulty
+    store, driver = sqlite.store, sqlite.driver
+    await accept(store, "c0", "k0")
+    async with Gate(driver):
+        conn.commits, conn.fail_commit = 0, 2  # the gate commits first; its successor fails
+        tasks = queue(
+            store.list_active_runs(conversation_id="c0"),  # read before any write: its answer stands
+            accept(store, "c1", "k1"),
+            store.load_snapshot(conversation_id="c1"),  # saw an uncommitted write: fails with it
+            accept(store, "c2", "k2"),
+        )
+    before, first, snapshot, second = await settle(tasks)
+    assert len(before.runs) == 1
+    for failed in (first, snapshot, second):
+        assert isinstance(failed, AgentStoreUnavailableError), failed
+    assert (await store.load_snapshot(conversation_id="c1")).version == 0  # nothing of the batch is durable
+    assert (await accept(store, "c1", "k1")).version == 1
+    assert heads_in(db) == {"c0", "c1"}
+
+
+async def test_a_transaction_sqlite_aborts_fails_what_ran_in_it_and_the_rest_runs_again(db: Path, faulty: Any) -> None:
+    sqlite, conn = faulty
+    store, driver = sqlite.store, sqlite.driver
+    async with Gate(driver):
+        transactions = driver.transactions
+        conn.abort_head_of = "doomed"
+        tasks = queue(accept(store, "c1", "k1"), accept(store, "doomed", "k"), accept(store, "c2", "k2"))
+    lost, doomed, second = await settle(tasks)
+    assert isinstance(lost, AgentStoreUnavailableError)  # its write went with the aborted transaction
+    assert isinstance(doomed, AgentStoreUnavailableError)
+    assert second.outcome == "accepted"  # it had not run yet: it got a transaction of its own
+    assert driver.transactions - transactions == 2
+    assert heads_in(db) == {"c2"}
+
+
+async def test_a_cancelled_caller_s_queued_operation_may_still_commit(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        async with Gate(sqlite.driver):
+            (task,) = queue(accept(sqlite.store, "c1", "k1"))
+            await asyncio.sleep(0)  # handed to the worker
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        active = await sqlite.store.list_active_runs(conversation_id="c1")  # queued after it: runs after it
+        assert len(active.runs) == 1

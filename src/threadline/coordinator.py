@@ -33,6 +33,8 @@ class Lane:
     conversation_id: str
     control: RunControl | None = None
     contexts: dict[str, Any] = field(default_factory=dict)
+    admitted: dict[str, Run] = field(default_factory=dict)
+    """The run records this process's admissions returned, newest per run: a hint, never authority."""
     task: asyncio.Task[None] | None = None
     blocked_on: str | None = None
 
@@ -77,10 +79,35 @@ class Lane:
                 self.runtime.waiters.reject(run_id, error)
             self.contexts.clear()
             raise
+        finally:
+            for run_id in [r for r in self.admitted if r not in self.contexts]:
+                del self.admitted[run_id]
+
+    def _sole_admitted(self) -> Run | None:
+        """The one queued run this lane was asked to run, as its admission returned it, when that is all
+        the lane knows of. Acquiring it checks durable order and revision anyway; if another run goes
+        first or it changed since, the acquisition is refused and the lane reads the active runs."""
+        if len(self.contexts) != 1:
+            return None
+        (run_id,) = self.contexts
+        run = self.admitted.get(run_id)
+        return run if run is not None and run.state == "queued" else None
 
     async def _run_queue(self) -> None:
         runtime = self.runtime
+        hint = self._sole_admitted()
         while not runtime.closing:
+            if hint is not None:
+                # the common case: one input, nothing ahead of it here; skip the read of the active runs
+                run, hint = hint, None
+                self.admitted.pop(run.id, None)
+                proceed = await runtime.execute(self, run, self.contexts[run.id])
+                if proceed and runtime.waiters.waiting(run.id):
+                    continue  # refused (order, revision or state moved): look at the stored runs
+                self.contexts.pop(run.id, None)
+                if not proceed or not self.contexts:
+                    return
+                continue
             active = await runtime.retry_store(
                 lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id)
             )
@@ -119,6 +146,7 @@ class Lane:
                         )
                 return
             self.blocked_on = None
+            self.admitted.pop(head.id, None)
             proceed = await runtime.execute(self, head, self.contexts[head.id])
             self.contexts.pop(head.id, None)
             if not proceed or not self.contexts:
@@ -147,6 +175,10 @@ class Waiters:
                 future.set_exception(error)
             else:
                 future.set_result(value)
+
+    def waiting(self, run_id: str) -> bool:
+        """Whether anything still waits for this run's result."""
+        return run_id in self.results
 
     def resolve(self, run_id: str, value: Any) -> None:
         self._settle(self.results.pop(run_id, []), value)

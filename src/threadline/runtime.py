@@ -565,6 +565,7 @@ class AgentRuntime:
             return
         lane = self._lane(conversation_id)
         lane.contexts.setdefault(run.id, parsed_context)
+        lane.admitted[run.id] = run
         if accepted.outcome == "accepted":
             lane.apply_policy(policy, run.id)
         lane.wake()

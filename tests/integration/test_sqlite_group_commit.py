@@ -1,10 +1,11 @@
 """Group commit in the SQLite driver, on real files.
 
 The worker runs the jobs waiting in its queue in one transaction, each operation isolated by a savepoint.
-To make a batch deterministic, a *gate* (a read operation handed to ``driver.run``, the driver protocol)
-holds the worker thread until the test opens it; every job queued meanwhile waits, and the next
-transactions take them together, ``driver.max_batch`` at a time. ``driver.transactions`` and
-``driver.operations`` count what the worker did. No verdict depends on timing; a generous timeout only
+To make a batch deterministic, a *gate* (a blocking call handed to the worker through ``driver._call``)
+holds the worker thread, and with it the connection, until the test opens it; every operation started
+meanwhile is queued (none can run on the calling thread while the worker holds the connection), and the
+next transactions take them together, ``driver.max_batch`` at a time. ``driver.transactions`` and
+``driver.operations`` count what the driver did. No verdict depends on timing; a generous timeout only
 keeps a broken build from hanging.
 """
 
@@ -46,7 +47,7 @@ def db(tmp_path: Path) -> Path:
 
 
 class Gate:
-    """Holds the worker thread inside a read operation until the ``async with`` block ends."""
+    """Holds the worker thread (and the connection) until the ``async with`` block ends."""
 
     def __init__(self, driver: SqliteStoreDriver) -> None:
         self.driver = driver
@@ -54,14 +55,13 @@ class Gate:
         self.released = threading.Event()
         self.task: asyncio.Future[Any] | None = None
 
-    def _operation(self) -> Generator[Any, Any, str]:
-        yield LoadHead("gate")
+    def _hold(self) -> str:
         self.entered.set()
         self.released.wait(WAIT)
         return "gate"
 
     async def __aenter__(self) -> Gate:
-        self.task = asyncio.ensure_future(self.driver.run(self._operation, access="read", stats=OperationStats()))
+        self.task = asyncio.ensure_future(self.driver._call(self._hold))
         assert await asyncio.to_thread(self.entered.wait, WAIT), "the worker never ran the gate"
         return self
 
@@ -283,7 +283,7 @@ async def test_a_failed_commit_fails_every_answer_that_depended_on_it(db: Path, 
     store, driver = sqlite.store, sqlite.driver
     await accept(store, "c0", "k0")
     async with Gate(driver):
-        conn.commits, conn.fail_commit = 0, 2  # the gate commits first; its successor fails
+        conn.commits, conn.fail_commit = 0, 1  # the first transaction after the gate fails to commit
         tasks = queue(
             store.list_active_runs(conversation_id="c0"),  # read before any write: its answer stands
             accept(store, "c1", "k1"),
@@ -324,3 +324,67 @@ async def test_a_cancelled_caller_s_queued_operation_may_still_commit(db: Path) 
             await task
         active = await sqlite.store.list_active_runs(conversation_id="c1")  # queued after it: runs after it
         assert len(active.runs) == 1
+
+
+# ------------------------------------------------------------------------------ the idle fast path
+
+
+def where_it_ran(threads: list[int]) -> Any:
+    """A read operation that records the thread it runs on."""
+
+    def operation() -> Generator[Any, Any, None]:
+        yield LoadHead("probe")
+        threads.append(threading.get_ident())
+
+    return operation
+
+
+def writes_a_head_on(cid: str, threads: list[int]) -> Any:
+    def operation() -> Generator[Any, Any, None]:
+        threads.append(threading.get_ident())
+        yield Write(Mutation(head=head(cid)))
+
+    return operation
+
+
+async def test_with_the_worker_idle_an_operation_runs_on_the_calling_thread(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        driver, here = sqlite.driver, threading.get_ident()
+        threads: list[int] = []
+        inline = driver.inline_operations
+        await driver.run(where_it_ran(threads), access="read", stats=OperationStats())
+        await driver.run(writes_a_head_on("c1", threads), access="write", stats=OperationStats())
+        assert threads == [here, here]
+        assert driver.inline_operations - inline == 2
+        async with Gate(driver):  # the worker holds the connection: the next operation is queued for it
+            (task,) = queue(driver.run(where_it_ran(threads), access="read", stats=OperationStats()))
+        await settle([task])
+        assert threads[2] == driver._thread.ident != here
+    assert heads_in(db) == {"c1"}  # the write committed like any other
+
+
+async def test_with_synchronous_full_writes_always_go_to_the_worker(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db, synchronous="FULL") as sqlite:
+        driver, here = sqlite.driver, threading.get_ident()
+        threads: list[int] = []
+        await driver.run(writes_a_head_on("c1", threads), access="write", stats=OperationStats())
+        await driver.run(where_it_ran(threads), access="read", stats=OperationStats())
+        assert threads == [driver._thread.ident, here]  # an fsync per commit never blocks the event loop
+    assert heads_in(db) == {"c1"}
+
+
+async def test_the_worker_checkpoints_the_wal_every_so_many_write_transactions(db: Path) -> None:
+    from threadline.store.sqlite import _CHECKPOINT_EVERY
+
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        driver = sqlite.driver
+        size = db.stat().st_size
+        for k in range(_CHECKPOINT_EVERY - 1):
+            await accept(sqlite.store, f"c{k}", "k")
+        await driver._call(lambda: None)  # anything queued before this has run
+        assert driver.checkpoints == 0 and db.stat().st_size == size  # commits alone never checkpoint
+        await accept(sqlite.store, "last", "k")
+        await driver._call(lambda: None)
+        assert driver.checkpoints == 1
+        assert db.stat().st_size > size  # the committed pages were copied into the database file
+    assert len(heads_in(db)) == _CHECKPOINT_EVERY

@@ -8,6 +8,7 @@ SQLite side by side and requires identical results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sqlite3
@@ -704,7 +705,8 @@ async def test_cancelled_caller_leaves_the_store_usable(db: Path) -> None:
         )
         await asyncio.sleep(0)
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        # with the worker idle the operation ran at once and finished; queued, it was cancelled in flight
+        with contextlib.suppress(asyncio.CancelledError):
             await task
         # the transaction either committed or rolled back as a whole; a retry resolves it
         retry = await sqlite.store.accept_input_and_assign_run(

@@ -4,8 +4,9 @@ A store operation is a *sans-I/O generator* written once in :mod:`threadline.sto
 row requests (``LoadHead``, ``ListActiveRuns``, ``Write`` …) and receives their answers; it never
 touches a database, a clock or a random source. A driver runs that generator inside one transaction:
 
-- a synchronous driver (memory, SQLite) implements :class:`SyncRows` and calls :func:`drive_sync` on
-  its own thread, so a whole operation costs one thread hop and one commit;
+- a synchronous driver (memory, SQLite) implements :class:`SyncRows` and calls :func:`drive_sync`
+  (SQLite: on its connection's thread, several queued operations sharing one transaction, each under a
+  savepoint);
 - an asynchronous driver (PostgreSQL) implements :class:`AsyncRows` and calls :func:`drive_async`.
 
 Because the generator is pure, a driver may run it again from the start after a serialization
@@ -287,7 +288,8 @@ class StoreDriver(Protocol):
 
     ``access='read'`` may use a read-only snapshot transaction; ``'write'`` must serialize with every
     other write of the same conversation (SQLite ``BEGIN IMMEDIATE``, PostgreSQL row locks or
-    SERIALIZABLE with retry). An exception from the operation rolls the transaction back and propagates.
+    SERIALIZABLE with retry). An exception from the operation undoes its writes (the transaction, or its
+    savepoint in a shared one) and propagates.
     ``stats`` receives the rows read and written so benchmarks can count work per operation.
     """
 

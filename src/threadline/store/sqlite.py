@@ -1,13 +1,20 @@
 """The embedded driver (default): stdlib ``sqlite3`` in WAL mode, one dedicated thread per connection.
 
-Every store operation is one job on the connection's worker thread; the event loop never touches the
-connection. The worker runs the jobs waiting in its queue together (group commit): one transaction —
+Store operations are jobs for the connection's worker thread. The worker runs the jobs waiting in its
+queue together (group commit): one transaction —
 ``BEGIN IMMEDIATE`` if any of them writes, else ``BEGIN`` — each whole reducer operation in turn through
 :func:`~threadline.store.driver.drive_sync`, its writes under a savepoint when it shares the transaction,
 then one ``COMMIT`` and one wake-up of the event loop for every caller of the batch. An operation that
 raises is rolled back to its savepoint and writes nothing; the others commit. A caller gets its answer
 only after the ``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose
 answer depended on it gets the error. Alone in the queue, an operation is one transaction of its own.
+
+When the worker is idle and nothing is queued, an operation runs at once on the calling thread instead
+(the connection is shared under a lock, never used by two threads at once): the same transaction, without
+the two thread hand-offs that would cost more than the transaction itself. Commits never checkpoint the
+WAL there (``wal_autocheckpoint`` is off on this connection): the worker runs a passive checkpoint after
+every ``_CHECKPOINT_EVERY`` write transactions, so the fsync a checkpoint costs never stalls the event
+loop. With ``synchronous='FULL'`` (an fsync per commit) writes always go to the worker.
 
 The schema lives only in objects named ``threadline_*``; an application may keep its own tables (and
 ``PRAGMA user_version``) in the same file. Records are stored as their JSON, beside the few columns the
@@ -99,6 +106,9 @@ _WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the WAL file is truncated back to af
 _CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages are touched)
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
 _CACHE_MAX_ROW = 16 * 1024
+_CHECKPOINT_EVERY = 64
+"""Write transactions between two passive WAL checkpoints (run by the worker). A transaction writes about
+ten pages, so the WAL stays near SQLite's default of 1000 pages between checkpoints."""
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 
@@ -689,6 +699,7 @@ _JOB_OP = 0  # a, b, c = the operation generator, its access, its OperationStats
 _JOB_SEARCH = 1  # a, b, c = conversation_id, query, limit
 _JOB_CALL = 2  # a, b = fn, args: run between transactions (bench hooks)
 _JOB_CLOSE = 3
+_JOB_CHECKPOINT = 4  # no caller waits for it
 
 
 def _wake_all(futures: list[asyncio.Future[None]]) -> None:
@@ -738,9 +749,15 @@ class SqliteStoreDriver:
         self.transactions = 0
         self.operations = 0
         self.transaction_ns = 0
+        self.inline_operations = 0
+        self.checkpoints = 0
         self._synchronous = synchronous
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._conn_lock = threading.Lock()  # held by whichever thread is using the connection
+        self._inline_writes = synchronous.upper() not in ("FULL", "EXTRA")
+        self._writes_since_checkpoint = 0
+        self._checkpoint_queued = False
         self._closed = False
         self._broken = False
         self._close_future: asyncio.Future[None] | None = None
@@ -762,7 +779,9 @@ class SqliteStoreDriver:
     def _main(self, ready: threading.Event) -> None:
         conn: sqlite3.Connection | None = None
         try:
-            conn = sqlite3.connect(self.filename, timeout=0, isolation_level=None, cached_statements=256)
+            conn = sqlite3.connect(
+                self.filename, timeout=0, isolation_level=None, cached_statements=256, check_same_thread=False
+            )
             deadline = time.monotonic() + _OPEN_BUSY_GRACE
             while True:
                 try:
@@ -810,27 +829,36 @@ class SqliteStoreDriver:
                         held = job  # a call or the close runs after this batch, in queue order
                         break
                     batch.append(job)
-                self._run_batch(batch)
+                with self._conn_lock:
+                    self._execute(batch)
+                self._post_batch(batch)
                 del batch
+            elif kind == _JOB_CHECKPOINT:
+                with self._conn_lock:
+                    self._checkpoint_queued = False
+                    with contextlib.suppress(sqlite3.Error):  # busy readers: the next one catches up
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                        self.checkpoints += 1
             else:
                 box = job[6]
-                try:
-                    if kind == _JOB_CALL:
-                        box += (True, job[1](*job[2]))
-                    else:  # close: every job accepted before it has run
-                        conn.close()
-                        box += (True, None)
-                except BaseException as error:
-                    box += (False, error)
+                with self._conn_lock:
+                    try:
+                        if kind == _JOB_CALL:
+                            box += (True, job[1](*job[2]))
+                        else:  # close: every job accepted before it has run
+                            conn.close()
+                            box += (True, None)
+                    except BaseException as error:
+                        box += (False, error)
                 _post(job[4], [job[5]])
                 if kind == _JOB_CLOSE:
                     return
                 del box
             del job
 
-    def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
-        """Run ``batch`` (in as few transactions as it takes: normally one), then wake each caller's loop
-        once for the whole batch."""
+    def _execute(self, batch: list[tuple[Any, ...]]) -> None:
+        """Run ``batch`` (in as few transactions as it takes: normally one) and fill every job's box.
+        The caller holds ``_conn_lock``."""
         start = time.perf_counter_ns()
         try:
             todo = batch
@@ -842,6 +870,9 @@ class SqliteStoreDriver:
                     job[6] += (False, error)
         finally:
             self.transaction_ns += time.perf_counter_ns() - start
+
+    def _post_batch(self, batch: list[tuple[Any, ...]]) -> None:
+        """Wake each caller's loop once for the whole batch."""
         loop = batch[0][4]
         if all(job[4] is loop for job in batch):
             _post(loop, [job[5] for job in batch])
@@ -907,10 +938,22 @@ class SqliteStoreDriver:
             except BaseException as error:
                 self._rollback(conn)
                 lost = error
+            else:
+                if write:
+                    self._wrote()
         if lost is not None:
             for job in pending:
                 job[6][:] = (False, self._failure(lost))
         return rest
+
+    def _wrote(self) -> None:
+        """Count a committed write transaction; every ``_CHECKPOINT_EVERY``, queue a WAL checkpoint for the
+        worker (commits on this connection never checkpoint by themselves)."""
+        self._writes_since_checkpoint += 1
+        if self._writes_since_checkpoint >= _CHECKPOINT_EVERY and not self._checkpoint_queued:
+            self._writes_since_checkpoint = 0
+            self._checkpoint_queued = True
+            self._jobs.put((_JOB_CHECKPOINT, None, None, None, None, None, None))
 
     def _fail(self, job: tuple[Any, ...], error: BaseException) -> None:
         if job[0] == _JOB_OP:
@@ -940,6 +983,7 @@ class SqliteStoreDriver:
         conn.execute(f"PRAGMA synchronous = {self._synchronous}")
         conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
         conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")  # the worker checkpoints (see _wrote)
         if not _fts5_available(conn):
             raise AgentStoreSchemaError(
                 f"threadline requires SQLite built with FTS5 (SQLite {sqlite3.sqlite_version} at "
@@ -1080,6 +1124,24 @@ class SqliteStoreDriver:
         withdraw the operation: once queued it runs, and it may still commit (with its batch) — the caller
         cannot tell whether it did; read back or retry with the same identity.
         """
+        if (access == "read" or self._inline_writes) and self._jobs.empty() and self._conn_lock.acquire(False):
+            # the worker is idle: run it here, now (see the module docstring)
+            try:
+                if self._closed:
+                    raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
+                box: list[Any] = []
+                self.inline_operations += 1
+                self._execute([(_JOB_OP, operation(), access, stats, None, None, box)])
+            finally:
+                self._conn_lock.release()
+            ok, value = box
+            box.clear()
+            if ok:
+                return value  # type: ignore[no-any-return]
+            try:
+                raise value
+            finally:
+                del value
         return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:

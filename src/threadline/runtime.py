@@ -63,6 +63,24 @@ VIEW_CACHE_LIMIT = 256
 """Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
 
 
+_ARITY: dict[Any, bool] = {}
+
+
+def _takes_argument(hook: Callable[..., Any]) -> bool:
+    """Whether a model hook takes the prompt context (``lambda: ...`` hooks take nothing). Hooks are the
+    runtime's configuration, so their signatures are read once, not on every run."""
+    try:
+        return _ARITY[hook]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return bool(inspect.signature(hook).parameters)
+    takes = _ARITY[hook] = bool(inspect.signature(hook).parameters)
+    if len(_ARITY) > 256:  # runtimes built again and again with fresh lambdas: stay bounded
+        _ARITY.clear()
+    return takes
+
+
 class AgentRuntimeClosedError(AgentRuntimeUsageError):
     """The runtime is closing or closed: it admits nothing new here; durably queued work stays
     recoverable by ``recover()`` in a later runtime."""
@@ -368,8 +386,9 @@ class AgentRuntime:
 
     @staticmethod
     async def _call_hook(hook: Callable[..., Any], argument: Any) -> Any:
-        takes_argument = bool(inspect.signature(hook).parameters)
-        return await call_maybe_async(hook, argument) if takes_argument else await call_maybe_async(hook)
+        if _takes_argument(hook):
+            return await call_maybe_async(hook, argument)
+        return await call_maybe_async(hook)
 
     def publish(self, event: Any) -> None:
         """Hand a delivery event to the application's publisher. A publisher failure never changes a run."""

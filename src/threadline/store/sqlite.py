@@ -9,9 +9,11 @@ raises is rolled back to its savepoint and writes nothing; the others commit. A 
 only after the ``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose
 answer depended on it gets the error. Alone in the queue, an operation is one transaction of its own.
 
-When the worker is idle and nothing is queued, an operation runs at once on the calling thread instead
-(the connection is shared under a lock, never used by two threads at once): the same transaction, without
-the two thread hand-offs that would cost more than the transaction itself. Commits never checkpoint the
+Operations started on an event loop are gathered until that loop has run what was ready (one loop
+iteration). If only one was started, the worker is idle and nothing is queued, it runs right there on the
+calling thread (the connection is shared under a lock, never used by two threads at once): the same
+transaction, without the two thread hand-offs that would cost more than the transaction itself. A burst
+goes to the worker together and commits together. Commits never checkpoint the
 WAL there (``wal_autocheckpoint`` is off on this connection): the worker runs a passive checkpoint after
 every ``_CHECKPOINT_EVERY`` write transactions, so the fsync a checkpoint costs never stalls the event
 loop. With ``synchronous='FULL'`` (an fsync per commit) writes always go to the worker.
@@ -758,6 +760,7 @@ class SqliteStoreDriver:
         self._inline_writes = synchronous.upper() not in ("FULL", "EXTRA")
         self._writes_since_checkpoint = 0
         self._checkpoint_queued = False
+        self._gathering: dict[asyncio.AbstractEventLoop, list[tuple[Any, ...]]] = {}
         self._closed = False
         self._broken = False
         self._close_future: asyncio.Future[None] | None = None
@@ -1108,6 +1111,56 @@ class SqliteStoreDriver:
         finally:
             del value
 
+    async def _gathered(self, operation: Operation[Any], access: Access, stats: OperationStats) -> Any:
+        """Hold the operation until the event loop has run what is ready now, then: alone, with the worker
+        idle and nothing queued, run it here at once; otherwise queue everything gathered for the worker,
+        where it shares a transaction with the rest (so a burst still commits together)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        box: list[Any] = []
+        pending = self._gathering.get(loop)
+        if pending is None:
+            pending = self._gathering[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append((_JOB_OP, operation, access, stats, loop, future, box))
+        await future
+        ok, value = box
+        box.clear()
+        if ok:
+            return value
+        try:
+            raise value
+        finally:
+            del value
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        jobs = self._gathering.pop(loop, None)
+        if not jobs:  # close took them first
+            return
+        if len(jobs) == 1 and self._jobs.empty() and self._conn_lock.acquire(False):
+            try:
+                if self._closed:
+                    self._refuse(jobs)
+                else:
+                    self.inline_operations += 1
+                    self._execute(jobs)
+            finally:
+                self._conn_lock.release()
+            _wake_all([jobs[0][5]])
+            return
+        with self._lock:
+            if not self._closed:
+                for job in jobs:
+                    self._jobs.put(job)
+                return
+        self._refuse(jobs)
+        _wake_all([job[5] for job in jobs])
+
+    def _refuse(self, jobs: list[tuple[Any, ...]]) -> None:
+        for job in jobs:
+            job[1].close()
+            job[6][:] = (False, AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed"))
+
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the worker thread, between transactions (in queue order), and return its
         result. A private hook for ``bench/`` (profilers, thread CPU time)."""
@@ -1124,24 +1177,8 @@ class SqliteStoreDriver:
         withdraw the operation: once queued it runs, and it may still commit (with its batch) — the caller
         cannot tell whether it did; read back or retry with the same identity.
         """
-        if (access == "read" or self._inline_writes) and self._jobs.empty() and self._conn_lock.acquire(False):
-            # the worker is idle: run it here, now (see the module docstring)
-            try:
-                if self._closed:
-                    raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
-                box: list[Any] = []
-                self.inline_operations += 1
-                self._execute([(_JOB_OP, operation(), access, stats, None, None, box)])
-            finally:
-                self._conn_lock.release()
-            ok, value = box
-            box.clear()
-            if ok:
-                return value  # type: ignore[no-any-return]
-            try:
-                raise value
-            finally:
-                del value
+        if access == "read" or self._inline_writes:
+            return await self._gathered(operation(), access, stats)  # type: ignore[no-any-return]
         return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
@@ -1163,6 +1200,8 @@ class SqliteStoreDriver:
                 loop = asyncio.get_running_loop()
                 future = self._close_future = loop.create_future()
                 self._closed = True
+                for job in self._gathering.pop(loop, ()):  # started before close: they run first
+                    self._jobs.put(job)
                 self._jobs.put((_JOB_CLOSE, None, None, None, loop, future, []))
         if future is None:
             return

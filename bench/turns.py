@@ -294,9 +294,11 @@ class OpTimer:
 
         store._run = timed_run  # type: ignore[method-assign]
         store.driver._transaction = timed_transaction  # type: ignore[attr-defined]
+        self.driver = store.driver
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
-        return dict(self.roundtrip_ns), dict(self.in_tx_ns)
+        counts = {"transactions": self.driver.transactions, "inline": self.driver.inline_operations}
+        return dict(self.roundtrip_ns), {**self.in_tx_ns, **counts}
 
 
 def snapshot_metrics(store: AgentRuntimeStore) -> dict[str, tuple[int, int, int]]:
@@ -390,9 +392,11 @@ async def window(
             )
         store_ms = sum(roundtrip.get(n, 0) - timed_before[0].get(n, 0) for n in delta) / n_turns / 1e6
         tx_ms = {a: (in_tx[a] - timed_before[1][a]) / n_turns / 1e6 for a in in_tx}
+        counts = {k: (in_tx[k] - timed_before[1][k]) / n_turns for k in ("transactions", "inline")}
         print(
-            f"  store_roundtrip_ms_per_turn={store_ms:.2f} worker_in_read_tx_ms_per_turn={tx_ms['read']:.2f} "
-            f"worker_in_write_tx_ms_per_turn={tx_ms['write']:.2f} (the rest of a turn is event-loop work)"
+            f"  store_roundtrip_ms_per_turn={store_ms:.2f} in_read_ops_ms_per_turn={tx_ms['read']:.2f} "
+            f"in_write_ops_ms_per_turn={tx_ms['write']:.2f} transactions_per_turn={counts['transactions']:g} "
+            f"inline_ops_per_turn={counts['inline']:g} (the rest of a turn is event-loop work)"
         )
     for pub, (e0, ns0, b0), conv in zip(
         publishers, events0, [c for c in convs if c.publisher is not None], strict=True

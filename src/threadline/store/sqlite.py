@@ -14,9 +14,9 @@ iteration). If only one was started, the worker is idle and nothing is queued, i
 calling thread (the connection is shared under a lock, never used by two threads at once): the same
 transaction, without the two thread hand-offs that would cost more than the transaction itself. A burst
 goes to the worker together and commits together. Commits never checkpoint the
-WAL there (``wal_autocheckpoint`` is off on this connection): the worker runs a passive checkpoint after
-every ``_CHECKPOINT_EVERY`` write transactions, so the fsync a checkpoint costs never stalls the event
-loop. With ``synchronous='FULL'`` (an fsync per commit) writes always go to the worker.
+WAL (``wal_autocheckpoint`` is off on this connection): after every ``_CHECKPOINT_EVERY`` write
+transactions a second thread, on a connection of its own, runs a passive checkpoint beside them, so the
+fsync a checkpoint costs stalls neither the event loop nor the operations. With ``synchronous='FULL'`` (an fsync per commit) writes always go to the worker.
 
 The schema lives only in objects named ``threadline_*``; an application may keep its own tables (and
 ``PRAGMA user_version``) in the same file. Records are stored as their JSON, beside the few columns the
@@ -109,8 +109,8 @@ _CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages 
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
 _CACHE_MAX_ROW = 16 * 1024
 _CHECKPOINT_EVERY = 64
-"""Write transactions between two passive WAL checkpoints (run by the worker). A transaction writes about
-ten pages, so the WAL stays near SQLite's default of 1000 pages between checkpoints."""
+"""Write transactions between two passive WAL checkpoints (run by the checkpointer thread). A transaction
+writes about ten pages, so the WAL stays near SQLite's default of 1000 pages between checkpoints."""
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 
@@ -701,7 +701,6 @@ _JOB_OP = 0  # a, b, c = the operation generator, its access, its OperationStats
 _JOB_SEARCH = 1  # a, b, c = conversation_id, query, limit
 _JOB_CALL = 2  # a, b = fn, args: run between transactions (bench hooks)
 _JOB_CLOSE = 3
-_JOB_CHECKPOINT = 4  # no caller waits for it
 
 
 def _wake_all(futures: list[asyncio.Future[None]]) -> None:
@@ -720,6 +719,71 @@ def _fts5_available(conn: sqlite3.Connection) -> bool:
         return True
     except sqlite3.OperationalError:
         return False
+
+
+class _Checkpointer:
+    """Runs ``PRAGMA wal_checkpoint(PASSIVE)`` on a connection and thread of its own when asked. A passive
+    checkpoint never blocks the writer or readers of the main connection, and it copies only what no
+    reader still needs; the next one catches up with the rest. Started on the first request."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.done = 0
+        self._wanted = threading.Condition()
+        self._pending = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        with self._wanted:
+            if self._stopping:
+                return
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._main,
+                    name=f"threadline-sqlite-checkpoint:{os.path.basename(self.filename)}",
+                    daemon=True,
+                )
+                self._thread.start()
+            self._wanted.notify()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` checkpoints completed (tests); False on timeout."""
+        with self._wanted:
+            return self._wanted.wait_for(lambda: self.done >= count, timeout)
+
+    def stop(self) -> None:
+        """Finish a checkpoint in progress, then stop the thread. Idempotent."""
+        with self._wanted:
+            self._stopping = True
+            self._wanted.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _main(self) -> None:
+        conn = None
+        try:
+            conn = sqlite3.connect(self.filename, timeout=0, isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
+            while True:
+                with self._wanted:
+                    self._wanted.wait_for(lambda: self._pending or self._stopping)
+                    if self._stopping:
+                        return
+                    self._pending = False
+                with contextlib.suppress(sqlite3.Error):  # busy: the next request catches up
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                with self._wanted:
+                    self.done += 1
+                    self._wanted.notify_all()
+        except sqlite3.Error:
+            return  # no checkpointer: the WAL still checkpoints when the last connection closes
+        finally:
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
 
 
 class SqliteStoreDriver:
@@ -752,14 +816,13 @@ class SqliteStoreDriver:
         self.operations = 0
         self.transaction_ns = 0
         self.inline_operations = 0
-        self.checkpoints = 0
         self._synchronous = synchronous
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()  # held by whichever thread is using the connection
         self._inline_writes = synchronous.upper() not in ("FULL", "EXTRA")
         self._writes_since_checkpoint = 0
-        self._checkpoint_queued = False
+        self._checkpointer = _Checkpointer(filename)
         self._gathering: dict[asyncio.AbstractEventLoop, list[tuple[Any, ...]]] = {}
         self._closed = False
         self._broken = False
@@ -836,12 +899,6 @@ class SqliteStoreDriver:
                     self._execute(batch)
                 self._post_batch(batch)
                 del batch
-            elif kind == _JOB_CHECKPOINT:
-                with self._conn_lock:
-                    self._checkpoint_queued = False
-                    with contextlib.suppress(sqlite3.Error):  # busy readers: the next one catches up
-                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                        self.checkpoints += 1
             else:
                 box = job[6]
                 with self._conn_lock:
@@ -849,6 +906,7 @@ class SqliteStoreDriver:
                         if kind == _JOB_CALL:
                             box += (True, job[1](*job[2]))
                         else:  # close: every job accepted before it has run
+                            self._checkpointer.stop()
                             conn.close()
                             box += (True, None)
                     except BaseException as error:
@@ -950,13 +1008,17 @@ class SqliteStoreDriver:
         return rest
 
     def _wrote(self) -> None:
-        """Count a committed write transaction; every ``_CHECKPOINT_EVERY``, queue a WAL checkpoint for the
-        worker (commits on this connection never checkpoint by themselves)."""
+        """Count a committed write transaction; every ``_CHECKPOINT_EVERY``, wake the checkpointer (commits
+        on this connection never checkpoint by themselves)."""
         self._writes_since_checkpoint += 1
-        if self._writes_since_checkpoint >= _CHECKPOINT_EVERY and not self._checkpoint_queued:
+        if self._writes_since_checkpoint >= _CHECKPOINT_EVERY:
             self._writes_since_checkpoint = 0
-            self._checkpoint_queued = True
-            self._jobs.put((_JOB_CHECKPOINT, None, None, None, None, None, None))
+            self._checkpointer.request()
+
+    @property
+    def checkpoints(self) -> int:
+        """Passive WAL checkpoints completed by the checkpointer thread."""
+        return self._checkpointer.done
 
     def _fail(self, job: tuple[Any, ...], error: BaseException) -> None:
         if job[0] == _JOB_OP:

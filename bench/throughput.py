@@ -27,20 +27,23 @@ Configurations (``--configs``), one line each:
 
     system=threadline store=<sqlite|postgres> processes=<p> conversations=<c> turns_per_s=<x>
         total_turns=<n> seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m>
-        store_ops_per_turn=<o> commits_per_turn=<c> client_cpu_s=<s> [server_cpu_s=<s>] machine_busy=<f>
-        model=<m> [pool_max=<n>]
+        store_ops_per_turn=<o> commits_per_turn=<c> client_cpu_s=<s> [server_cpu_s=<s>]
+        [roundtrips_per_turn=<r>] machine_busy=<f> model=<m> [pool_max=<n>]
 
 ``p50_turn_ms``: the median time from ``submit`` to the result under this load (it includes waiting for
 the other conversations). ``commits_per_turn``: write operations per turn (``store.metrics``).
+``roundtrips_per_turn`` (PostgreSQL): round trips to the server per turn (``driver.round_trips``: batches
+of statements, preparing statements and rollbacks included); with ``commits_per_turn``, the figure that
+does not move with the machine's load.
 ``client_cpu_s``: CPU time of the benchmark process(es) during the timed section (user + system, all
 threads); ``server_cpu_s``: CPU of the run's PostgreSQL backends (found in ``pg_stat_activity`` by
 ``application_name``, which is set to the schema name; read from ``/proc``, so only for a server on this
 machine); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/stat``; other work included).
 A PostgreSQL configuration is skipped with a ``# skipped:`` line when no server answers at ``--dsn``.
 
-``--verbose`` (SQLite) adds the store's worker thread: its wall time inside transactions (every
-transaction runs on that one thread, one after another; ``worker_busy`` near 1 means that thread sets the
-pace) and its CPU, and the event-loop thread's CPU (their sum near ``wall_s``: the GIL lets one run at a time).
+``--verbose`` (SQLite) adds the driver's counters over the timed section: transactions, operations and
+how many ran on the event loop's thread (the rest on the store's own thread), wall time inside
+transactions, and the CPU of the event-loop thread and of the store's thread.
 ``--switch-interval`` sets ``sys.setswitchinterval`` in every process (a GIL diagnostic).
 
 ``--profile sqlite-1`` (or ``postgres-1``) runs the configuration once more, untimed, under cProfile: the
@@ -139,6 +142,7 @@ class Batch:
     cpu_s: float = 0.0
     start_ns: int = 0  # time.monotonic_ns() (CLOCK_MONOTONIC: comparable across processes on Linux)
     end_ns: int = 0
+    round_trips: int = -1  # PostgreSQL: round trips to the server by store operations (-1: not counted)
 
 
 def metrics_totals(store: AgentRuntimeStore) -> tuple[int, int]:
@@ -158,6 +162,7 @@ async def run_batch(runtime: AgentRuntime, store: AgentRuntimeStore, cids: list[
     batch = Batch()
     per_conv: list[list[int]] = [[] for _ in cids]
     ops0, commits0 = metrics_totals(store)
+    trips0 = getattr(store.driver, "round_trips", None)
     cpu0 = time.process_time()
     batch.start_ns = time.monotonic_ns()
     await asyncio.wait_for(
@@ -168,6 +173,8 @@ async def run_batch(runtime: AgentRuntime, store: AgentRuntimeStore, cids: list[
     batch.cpu_s = time.process_time() - cpu0
     ops1, commits1 = metrics_totals(store)
     batch.ops, batch.commits = ops1 - ops0, commits1 - commits0
+    if trips0 is not None:
+        batch.round_trips = store.driver.round_trips - trips0  # type: ignore[attr-defined]
     batch.times_ns = [t for ts in per_conv for t in ts]
     return batch
 
@@ -193,6 +200,11 @@ def report(
         f"commits_per_turn={sum(b.commits for b in batches) / n:g} "
         f"client_cpu_s={sum(b.cpu_s for b in batches):.2f} "
         + (f"server_cpu_s={server_cpu:.2f} " if server_cpu is not None else "")
+        + (
+            f"roundtrips_per_turn={sum(b.round_trips for b in batches) / n:.1f} "
+            if store == "postgres" and all(b.round_trips >= 0 for b in batches)
+            else ""
+        )
         + f"machine_busy={busy:.2f} model={args.model}"
         + (f" pool_max={args.pool_max}" if store == "postgres" else "")
         + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else ""),
@@ -217,28 +229,17 @@ def split(total: int, parts: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------ SQLite
 
 
-class WorkerClock:
-    """``--verbose``, SQLite: the worker thread's wall time inside transactions (through a private hook of
-    the driver, one frame per call) and its CPU time (``time.thread_time`` read on the worker)."""
+class DriverClock:
+    """``--verbose``, SQLite: the driver's counters and the CPU time of both threads."""
 
     def __init__(self, store: AgentRuntimeStore) -> None:
         self.driver = store.driver  # type: ignore[attr-defined]
-        self.in_tx_ns = 0
-        transaction = self.driver._transaction
 
-        def timed_transaction(operation: Any, access: str, stats: Any) -> Any:
-            start = time.perf_counter_ns()
-            try:
-                return transaction(operation, access, stats)
-            finally:
-                self.in_tx_ns += time.perf_counter_ns() - start
-
-        self.driver._transaction = timed_transaction
-
-    async def read(self) -> tuple[int, float, float]:
-        """(ns inside transactions so far, worker CPU s, event-loop thread CPU s)."""
-        worker_cpu = await self.driver._call(time.thread_time)
-        return self.in_tx_ns, worker_cpu, time.thread_time()
+    async def read(self) -> tuple[int, int, int, int, float, float]:
+        """(transactions, operations, inline operations, ns in transactions, store-thread CPU s, loop CPU s)."""
+        d = self.driver
+        worker_cpu = await d._call(time.thread_time)
+        return d.transactions, d.operations, d.inline_operations, d.transaction_ns, worker_cpu, time.thread_time()
 
 
 async def sqlite_run(args: Any, profile: bool = False) -> None:
@@ -246,7 +247,7 @@ async def sqlite_run(args: Any, profile: bool = False) -> None:
         async with create_sqlite_agent_runtime_store(filename=Path(tmp) / "throughput.db") as sqlite:
             store = sqlite.store
             runtime = make_runtime(store, args.model)
-            clock = WorkerClock(store) if args.verbose and not profile else None
+            clock = DriverClock(store) if args.verbose and not profile else None
             await warm_up(runtime, "0")
             cids = conversation_ids(0, args.conversations)
             if profile:
@@ -259,12 +260,13 @@ async def sqlite_run(args: Any, profile: bool = False) -> None:
                 wall_s = (batch.end_ns - batch.start_ns) / 1e9
                 report("sqlite", 1, args.conversations, wall_s, [batch], busy, args)
                 if clock is not None and before is not None:
-                    after = await clock.read()
-                    in_tx_s = (after[0] - before[0]) / 1e9
+                    tx, ops, inline, tx_ns, worker_cpu, loop_cpu = (
+                        a - b for a, b in zip(await clock.read(), before, strict=True)
+                    )
                     print(
-                        f"# sqlite-1 threads: wall_s={wall_s:.2f} worker_in_tx_s={in_tx_s:.2f} "
-                        f"worker_busy={in_tx_s / wall_s:.2f} worker_cpu_s={after[1] - before[1]:.2f} "
-                        f"loop_thread_cpu_s={after[2] - before[2]:.2f}",
+                        f"# sqlite-1 driver: wall_s={wall_s:.2f} transactions={tx} operations={ops} "
+                        f"inline_operations={inline} in_tx_s={tx_ns / 1e9:.2f} loop_thread_cpu_s={loop_cpu:.2f} "
+                        f"store_thread_cpu_s={worker_cpu:.2f}",
                         flush=True,
                     )
             await runtime.close()

@@ -391,11 +391,24 @@ async def test_a_second_connection_checkpoints_the_wal_every_so_many_write_trans
     assert len(heads_in(db)) == _CHECKPOINT_EVERY
 
 
-async def test_a_burst_of_operations_goes_to_the_worker_together_even_when_it_is_idle(db: Path) -> None:
+async def test_a_burst_of_operations_commits_together_on_the_calling_thread_when_the_worker_is_idle(
+    db: Path,
+) -> None:
     async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
         driver = sqlite.driver
         transactions, inline = driver.transactions, driver.inline_operations
         results = await settle(queue(*(accept(sqlite.store, f"c{i}", "k") for i in range(10))))
         assert [r.outcome for r in results] == ["accepted"] * 10
-        assert driver.inline_operations == inline  # none ran alone on the event loop
+        assert driver.inline_operations - inline == 10
         assert driver.transactions - transactions == 1  # started in one loop iteration: one commit
+
+
+async def test_a_burst_larger_than_max_batch_takes_one_transaction_per_max_batch(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        driver = sqlite.driver
+        driver.max_batch = 4
+        transactions = driver.transactions
+        results = await settle(queue(*(accept(sqlite.store, f"c{i}", "k") for i in range(10))))
+        assert [r.outcome for r in results] == ["accepted"] * 10
+        assert driver.transactions - transactions == 3
+    assert len(heads_in(db)) == 10

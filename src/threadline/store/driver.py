@@ -287,8 +287,8 @@ class StoreDriver(Protocol):
     a serialization failure or deadlock (reset ``stats`` rows counts if it does).
 
     ``access='read'`` may use a read-only snapshot transaction; ``'write'`` must serialize with every
-    other write of the same conversation (SQLite ``BEGIN IMMEDIATE``, PostgreSQL row locks or
-    SERIALIZABLE with retry). An exception from the operation undoes its writes (the transaction, or its
+    other write of the same conversation (SQLite ``BEGIN IMMEDIATE``; PostgreSQL an advisory lock per
+    conversation at READ COMMITTED). An exception from the operation undoes its writes (the transaction, or its
     savepoint in a shared one) and propagates.
     ``stats`` receives the rows read and written so benchmarks can count work per operation.
     """

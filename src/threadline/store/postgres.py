@@ -8,10 +8,31 @@ Every store operation is one transaction on one pooled connection:
   holder committed. A write touches one conversation, so it holds one lock: writers cannot deadlock.
 - a **read** runs at ``REPEATABLE READ READ ONLY``: one consistent snapshot, no locks.
 
-Round trips are what an operation costs, so statements that need no answer travel with the next one that
-does: ``BEGIN``, the lock and the first read go in one round trip, the writes and ``COMMIT`` in another
-(one simple-protocol query string, values bound client-side by psycopg). The reads in between are
-single prepared statements (``prepare_threshold``). A write of ``n`` reads costs ``n + 1`` round trips.
+Round trips are what an operation costs (on the client: a wake-up of the event loop and psycopg's wait;
+on the server: a wake-up of the backend), so an operation makes as few as it can:
+
+- statements that need no answer (``BEGIN``, the lock, the writes, ``COMMIT``) travel with the next one
+  that does, in one simple-protocol query string;
+- every statement is prepared once per pooled connection (``PREPARE``; then ``EXECUTE name(literals)``,
+  literals quoted by libpq): the server neither parses nor plans it again;
+- *prefetch*: the operation is a pure generator, so a second copy of it (a *probe*) answered from the rows
+  the driver last saw (:class:`_Hints`) foresees which requests follow the one asked now; they go in the
+  same round trip, and their rows wait until asked for. A read whose requests were all foreseen ends its
+  snapshot (``COMMIT``) in that round trip too; if it must go on, its next snapshot re-reads the
+  conversation head, and a moved head runs the read again (every committed write of a conversation
+  rewrites its head with a higher version, or deletes it);
+- a write may be *answered from the rows it last saw* (its own previous commit, usually) — and, for an id
+  it has never seen (a new idempotency key, a new run or message), that there is no such row — if it saw
+  the conversation before. Each such answer adds a claim to a *guard* that travels behind the lock: the
+  SHA-256 of each row's stored JSON, the absence of each row, the exact set of active runs; unless the
+  server holds exactly that, the guard fails the transaction (``22012``) before anything commits, and the
+  operation runs again on the rows read from the server, as does an operation that gave up (a conflict) on
+  answers not yet verified. So a steady write (admission, acquire, checkpoint, terminal) is one round trip:
+  lock, guard, writes, ``COMMIT``. None of this changes what an operation acts on: every answer it
+  committed with was read, or verified, under the lock.
+
+``round_trips`` counts them; ``restarts`` counts operations run again because a shortcut met moved rows
+(not failures). ``prefetch`` and ``speculate`` turn the last two shortcuts off.
 
 Serialization failures (``40001``) and deadlocks (``40P01``) are retried inside the driver wherever the
 server reports them (a statement or ``COMMIT``), by running the operation again from the start on a fresh
@@ -42,10 +63,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import random
 import re
+import select
+import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from types import TracebackType
@@ -53,7 +79,7 @@ from typing import Any, TypeVar
 
 try:
     import psycopg
-    from psycopg import sql
+    from psycopg import pq, sql
     from psycopg.conninfo import conninfo_to_dict
     from psycopg.pq import TransactionStatus
     from psycopg_pool import AsyncConnectionPool, PoolClosed
@@ -121,6 +147,7 @@ DEFAULT_SCHEMA = "threadline"
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MAX_IDENTIFIER = 63  # NAMEDATALEN - 1
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+_UNPREPARED_SQLSTATE = "26000"  # invalid_sql_statement_name: a prepared statement is gone
 _SCHEMA_SQLSTATES = frozenset({"42P01", "3F000", "42883"})  # undefined table, schema, function
 _PURGED_SQLSTATE = "TLP01"  # raised by the purge guard trigger
 _MAX_ATTEMPTS = 10
@@ -218,104 +245,189 @@ _REQUIRED_TRIGGERS = tuple(_TRIGGERS_V1)
 
 # ------------------------------------------------------------------------------------------- statements
 
-_STATEMENTS: dict[str, str] = {
-    "begin_write": "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE",
-    "begin_read": "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",
-    "lock": "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+# Every statement a store operation runs is a server-side prepared statement (``PREPARE`` once per pooled
+# connection, then ``EXECUTE name(literals)``): the server parses and plans it once per connection instead
+# of once per call, and an ``EXECUTE`` still travels in a simple-protocol query string together with the
+# statements before and after it. {s} is the quoted schema; $n the parameters, typed here.
+_PREPARED: dict[str, tuple[str, str]] = {
+    "lock": ("text", "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"),
     "head": (
-        "SELECT (SELECT body FROM {s}.threadline_conversations WHERE conversation_id = %(c)s), "
-        "EXISTS (SELECT 1 FROM {s}.threadline_tombstones WHERE conversation_id = %(c)s)"
+        "text",
+        "SELECT (SELECT body FROM {s}.threadline_conversations WHERE conversation_id = $1), "
+        "EXISTS (SELECT 1 FROM {s}.threadline_tombstones WHERE conversation_id = $1)",
     ),
-    "run": "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = %s AND run_id = %s",
+    "run": ("text, text", "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND run_id = $2"),
     "runs_any": (
-        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = %s AND run_id = ANY(%s::text[])"
+        "text, text[]",
+        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND run_id = ANY($2)",
     ),
     "active_runs": (
-        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = %s AND active ORDER BY run_id"
+        "text",
+        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND active ORDER BY run_id",
     ),
-    "all_runs": "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = %s ORDER BY row_id",
+    "all_runs": ("text", "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 ORDER BY row_id"),
     "receipt": (
+        "text, text",
         "SELECT idempotency_key, body FROM {s}.threadline_admissions "
-        "WHERE conversation_id = %s AND idempotency_key = %s"
+        "WHERE conversation_id = $1 AND idempotency_key = $2",
     ),
     "receipt_by_input": (
+        "text, text",
         "SELECT idempotency_key, body FROM {s}.threadline_admissions "
-        "WHERE conversation_id = %s AND input_message_id = %s"
+        "WHERE conversation_id = $1 AND input_message_id = $2",
     ),
-    "message": "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND message_id = %s",
+    "message": (
+        "text, text",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND message_id = $2",
+    ),
     "messages_any": (
-        "SELECT message_id, body FROM {s}.threadline_messages "
-        "WHERE conversation_id = %s AND message_id = ANY(%s::text[])"
+        "text, text[]",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND message_id = ANY($2)",
     ),
     "settled_range": (
-        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND band_rank = 1 "
-        "AND position IS NOT NULL AND position BETWEEN %s::bigint AND %s::bigint AND active "
-        "ORDER BY position, sub, seq"
+        "text, bigint, bigint",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND band_rank = 1 "
+        "AND position IS NOT NULL AND position BETWEEN $2 AND $3 AND active ORDER BY position, sub, seq",
     ),
-    "seed": "SELECT seed_key, body FROM {s}.threadline_seeds WHERE conversation_id = %s AND seed_key = %s",
-    "history": "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND active",
+    "seed": (
+        "text, text",
+        "SELECT seed_key, body FROM {s}.threadline_seeds WHERE conversation_id = $1 AND seed_key = $2",
+    ),
+    "history": ("text", "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND active"),
     "messages_since": (
-        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND version > %s::bigint "
-        "ORDER BY version, row_id"
+        "text, bigint",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND version > $2 "
+        "ORDER BY version, row_id",
     ),
     "active_messages_since": (
-        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND version > %s::bigint "
-        "AND active ORDER BY version, row_id"
+        "text, bigint",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND version > $2 "
+        "AND active ORDER BY version, row_id",
     ),
     "runs_since": (
-        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = %s AND version > %s::bigint "
-        "ORDER BY version, row_id"
+        "text, bigint",
+        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND version > $2 "
+        "ORDER BY version, row_id",
     ),
     "unsettled": (
-        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND position IS NULL"
+        "text",
+        "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = $1 AND position IS NULL",
     ),
     "scan_first": (
+        "bigint",
         "SELECT r.conversation_id, r.run_id, r.body FROM {s}.threadline_runs AS r WHERE r.active "
         "AND NOT EXISTS (SELECT 1 FROM {s}.threadline_tombstones AS t WHERE t.conversation_id = r.conversation_id) "
-        "ORDER BY r.conversation_id, r.run_id LIMIT %s"
+        "ORDER BY r.conversation_id, r.run_id LIMIT $1",
     ),
     "scan_after": (
+        "text, text, bigint",
         "SELECT r.conversation_id, r.run_id, r.body FROM {s}.threadline_runs AS r WHERE r.active "
-        "AND (r.conversation_id, r.run_id) > (%s, %s) "
+        "AND (r.conversation_id, r.run_id) > ($1, $2) "
         "AND NOT EXISTS (SELECT 1 FROM {s}.threadline_tombstones AS t WHERE t.conversation_id = r.conversation_id) "
-        "ORDER BY r.conversation_id, r.run_id LIMIT %s"
+        "ORDER BY r.conversation_id, r.run_id LIMIT $3",
     ),
     "conversations_first": (
-        "SELECT conversation_id, body FROM {s}.threadline_conversations ORDER BY conversation_id LIMIT %s"
+        "bigint",
+        "SELECT conversation_id, body FROM {s}.threadline_conversations ORDER BY conversation_id LIMIT $1",
     ),
     "conversations_after": (
-        "SELECT conversation_id, body FROM {s}.threadline_conversations WHERE conversation_id > %s "
-        "ORDER BY conversation_id LIMIT %s"
+        "text, bigint",
+        "SELECT conversation_id, body FROM {s}.threadline_conversations WHERE conversation_id > $1 "
+        "ORDER BY conversation_id LIMIT $2",
     ),
     "upsert_head": (
-        "INSERT INTO {s}.threadline_conversations (conversation_id, version, body) VALUES (%s, %s, %s) "
-        "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body"
+        "text, bigint, text",
+        "INSERT INTO {s}.threadline_conversations (conversation_id, version, body) VALUES ($1, $2, $3) "
+        "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body",
     ),
     "upsert_run": (
+        "text, text, boolean, bigint, text",
         "INSERT INTO {s}.threadline_runs (conversation_id, run_id, active, version, body) "
-        "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
-        "active = excluded.active, version = excluded.version, body = excluded.body"
+        "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
+        "active = excluded.active, version = excluded.version, body = excluded.body",
     ),
     "upsert_message": (
+        "text, text, smallint, bigint, smallint, bigint, boolean, bigint, text",
         "INSERT INTO {s}.threadline_messages "
         "(conversation_id, message_id, band_rank, position, sub, seq, active, version, body) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
         "band_rank = excluded.band_rank, position = excluded.position, sub = excluded.sub, seq = excluded.seq, "
-        "active = excluded.active, version = excluded.version, body = excluded.body"
+        "active = excluded.active, version = excluded.version, body = excluded.body",
     ),
     "insert_receipt": (
+        "text, text, text, text",
         "INSERT INTO {s}.threadline_admissions (conversation_id, idempotency_key, input_message_id, body) "
-        "VALUES (%s, %s, %s, %s)"
+        "VALUES ($1, $2, $3, $4)",
     ),
-    "insert_seed": "INSERT INTO {s}.threadline_seeds (conversation_id, seed_key, body) VALUES (%s, %s, %s)",
-    "purge_messages": "DELETE FROM {s}.threadline_messages WHERE conversation_id = %s",
-    "purge_runs": "DELETE FROM {s}.threadline_runs WHERE conversation_id = %s",
-    "purge_admissions": "DELETE FROM {s}.threadline_admissions WHERE conversation_id = %s",
-    "purge_seeds": "DELETE FROM {s}.threadline_seeds WHERE conversation_id = %s",
-    "purge_head": "DELETE FROM {s}.threadline_conversations WHERE conversation_id = %s",
-    "insert_tombstone": "INSERT INTO {s}.threadline_tombstones (conversation_id) VALUES (%s)",
+    "insert_seed": (
+        "text, text, text",
+        "INSERT INTO {s}.threadline_seeds (conversation_id, seed_key, body) VALUES ($1, $2, $3)",
+    ),
+    "notify": ("text, text", "SELECT pg_notify($1, $2)"),
+    "purge_messages": ("text", "DELETE FROM {s}.threadline_messages WHERE conversation_id = $1"),
+    "purge_runs": ("text", "DELETE FROM {s}.threadline_runs WHERE conversation_id = $1"),
+    "purge_admissions": ("text", "DELETE FROM {s}.threadline_admissions WHERE conversation_id = $1"),
+    "purge_seeds": ("text", "DELETE FROM {s}.threadline_seeds WHERE conversation_id = $1"),
+    "purge_head": ("text", "DELETE FROM {s}.threadline_conversations WHERE conversation_id = $1"),
+    "insert_tombstone": ("text", "INSERT INTO {s}.threadline_tombstones (conversation_id) VALUES ($1)"),
 }
+# A guard fails the transaction (division by zero, SQLSTATE 22012) unless the conversation's rows are as a
+# write was told from hints. It is one statement made of the parts its claims need (a *shape*), prepared
+# on a connection the first time that shape is used there. $1 is the conversation; each part takes the
+# parameters after. A row's JSON holds its own id, so a digest can only match the row it was taken from.
+_GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "head": (  # the head's digest; no tombstone
+        ("text",),
+        "COALESCE((SELECT {d} FROM {s}.threadline_conversations WHERE conversation_id = $1) = ${0}, false) "
+        "AND NOT EXISTS (SELECT 1 FROM {s}.threadline_tombstones WHERE conversation_id = $1)",
+    ),
+    "runs": (  # these runs, with these digests
+        ("text[]", "text[]"),
+        "(SELECT count(*) FROM {s}.threadline_runs WHERE conversation_id = $1 AND run_id = ANY(${0}) "
+        "AND {d} = ANY(${1})) = cardinality(${0})",
+    ),
+    "no_runs": (
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_runs WHERE conversation_id = $1 AND run_id = ANY(${0}))",
+    ),
+    "active": (  # exactly these active runs, with these digests
+        ("text[]", "text[]"),
+        "(SELECT count(*) FROM {s}.threadline_runs WHERE conversation_id = $1 AND active) = cardinality(${0}) "
+        "AND (SELECT count(*) FROM {s}.threadline_runs WHERE conversation_id = $1 AND active "
+        "AND run_id = ANY(${0}) AND {d} = ANY(${1})) = cardinality(${0})",
+    ),
+    "messages": (
+        ("text[]", "text[]"),
+        "(SELECT count(*) FROM {s}.threadline_messages WHERE conversation_id = $1 AND message_id = ANY(${0}) "
+        "AND {d} = ANY(${1})) = cardinality(${0})",
+    ),
+    "no_messages": (
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_messages WHERE conversation_id = $1 AND message_id = ANY(${0}))",
+    ),
+    "no_keys": (
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_admissions WHERE conversation_id = $1 "
+        "AND idempotency_key = ANY(${0}))",
+    ),
+    "no_inputs": (
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_admissions WHERE conversation_id = $1 "
+        "AND input_message_id = ANY(${0}))",
+    ),
+}
+_DIGEST = "encode(sha256(convert_to(body, 'UTF8')), 'hex')"  # :func:`_digest` on the server, any encoding
+
 _PURGE_ORDER = ("purge_messages", "purge_runs", "purge_admissions", "purge_seeds", "purge_head", "insert_tombstone")
+_BEGIN_WRITE = b"BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE"
+_BEGIN_READ = b"BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+# Every statement here is keyed by the conversation (an index lookup whatever the values), so one generic
+# plan serves; left to choose, the server re-plans some of them at every EXECUTE (a custom plan folds the
+# guard's NULL and empty-array tests). Set once per connection of the driver's own pool; for every
+# transaction on a pool passed in, whose sessions are the application's.
+_GENERIC_PLANS = b"SET plan_cache_mode TO force_generic_plan"
+_GENERIC_PLANS_LOCAL = b"SET LOCAL plan_cache_mode TO force_generic_plan"
+_COMMIT = b"COMMIT"
 
 
 def _render(template: str, schema: str) -> str:
@@ -324,24 +436,48 @@ def _render(template: str, schema: str) -> str:
 
 
 class _Statements:
-    """Every statement of one schema, rendered once."""
+    """Every statement of one schema, rendered once: the ``PREPARE`` text of the prepared ones (their names
+    carry a digest of the schema, so drivers of different schemas can share a connection) and the
+    ``EXECUTE name(`` prefix of each."""
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
-        for name, template in _STATEMENTS.items():
-            setattr(self, name, _render(template, schema))
-        self.purge = tuple(getattr(self, name) for name in _PURGE_ORDER)
+        tag = hashlib.sha1(schema.encode()).hexdigest()[:12]
+        self.prepare = "; ".join(
+            f"PREPARE tl_{tag}_{name} ({types}) AS {_render(text, schema)}" for name, (types, text) in _PREPARED.items()
+        ).encode()
+        self.execute: dict[str, bytes] = {name: f"EXECUTE tl_{tag}_{name}(".encode() for name in _PREPARED}
+        self._tag = tag
+        self._guards: dict[tuple[str, ...], tuple[bytes, bytes]] = {}
         self.lock_prefix = f"threadline:{schema}:"
         self.channel = notification_channel(schema)
-        self.notify = "SELECT pg_notify(%s, %s)"
         self._pages: dict[tuple[bool, str, int, str], str] = {}
         self._page_base = _render(
             "SELECT message_id, body FROM {s}.threadline_messages WHERE conversation_id = %s AND position IS NOT NULL",
             schema,
         )
 
+    def guard(self, parts: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """The ``PREPARE`` text and the ``EXECUTE name(`` prefix of the guard made of ``parts`` (in
+        :data:`_GUARD_PARTS` order)."""
+        found = self._guards.get(parts)
+        if found is None:
+            mask = sum(1 << i for i, part in enumerate(_GUARD_PARTS) if part in parts)
+            name = f"tl_{self._tag}_guard{mask:02x}"  # short: identifiers are cut at 63 bytes
+            types, conditions = ["text"], []
+            for part in parts:
+                part_types, condition = _GUARD_PARTS[part]
+                numbers = [str(len(types) + 1 + i) for i in range(len(part_types))]
+                conditions.append(condition.format(*numbers, d=_DIGEST, s="{s}"))
+                types.extend(part_types)
+            text = f"SELECT 1 / ({' AND '.join(conditions)})::int"
+            prepare = f"PREPARE {name} ({', '.join(types)}) AS {_render(text, self.schema)}"
+            found = self._guards[parts] = (prepare.encode(), f"EXECUTE {name}(".encode())
+        return found
+
     def page(self, include_inactive: bool, direction: str, arity: int, op: str) -> str:
-        """The page statement for one shape of request (cached: a few dozen shapes exist at most)."""
+        """The page statement for one shape of request (cached: a few dozen shapes exist at most). Not
+        prepared: paging is rare, and its shapes many."""
         key = (include_inactive, direction, arity, op)
         text = self._pages.get(key)
         if text is None:
@@ -356,6 +492,65 @@ class _Statements:
             text += " ORDER BY " + ", ".join(f"{c} {order}" for c in _SORT_COLUMNS) + " LIMIT %s"
             self._pages[key] = text
         return text
+
+
+class _Wire:
+    """One pooled connection as the driver uses it: SQL literals quoted by libpq for that connection
+    (``PQescapeLiteral``: its encoding and ``standard_conforming_strings``), and the schemas whose
+    statements are prepared on it. Kept per connection object (a new connection starts unprepared)."""
+
+    __slots__ = ("_escape", "encoding", "guards", "prepared", "session_settings")
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._escape = pq.Escaping(conn.pgconn).escape_literal
+        self.encoding = conn.info.encoding
+        self.prepared: set[str] = set()
+        self.guards: set[bytes] = set()  # the guard shapes prepared (their PREPARE texts)
+        self.session_settings = False  # the session is the driver's own: settings were made once
+
+    def literal(self, value: object) -> bytes:
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+            return self._escape(value.encode(self.encoding))  # type: ignore[no-any-return]
+        if value is None:
+            return b"NULL"
+        if value is True:
+            return b"true"
+        if value is False:
+            return b"false"
+        if isinstance(value, int):
+            return b"%d" % value
+        if isinstance(value, list | tuple):
+            if not value:
+                return b"'{}'::text[]"
+            return b"ARRAY[" + b", ".join(self.literal(v) for v in value) + b"]::text[]"
+        raise TypeError(f"cannot send a {type(value).__name__} as an SQL literal")
+
+
+_WIRES: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], _Wire] = weakref.WeakKeyDictionary()
+
+
+async def _wire(conn: psycopg.AsyncConnection[Any], q: _Statements, driver: PostgresStoreDriver) -> _Wire:
+    """The connection's :class:`_Wire`, with ``q``'s statements prepared (one round trip, once per
+    connection). A connection on which preparing failed is closed: the pool replaces it, and no statement
+    is left half-prepared."""
+    wire = _WIRES.get(conn)
+    if wire is None:
+        wire = _WIRES[conn] = _Wire(conn)
+    if q.schema not in wire.prepared:
+        driver.round_trips += 1
+        driver._own_backend(conn.info.backend_pid)
+        own = driver._owns_pool and not wire.session_settings
+        try:
+            await conn.execute(_GENERIC_PLANS + b"; " + q.prepare if own else q.prepare, prepare=False)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
+        wire.prepared.add(q.schema)
+        wire.session_settings = wire.session_settings or own
+    return wire
 
 
 def _clamp(value: int) -> int:
@@ -438,59 +633,558 @@ class _RecordCache:
             self.used += size
 
 
+# ------------------------------------------------------------------------------------------------ hints
+
+_HINT_CONVERSATIONS = 4096
+_HINT_ROWS = 16  # runs, and messages, per conversation
+_HINT_MAX_BODY = 64 * 1024  # characters: a larger message is not remembered
+_HINT_MESSAGE_BUDGET = 16 * 1024 * 1024  # characters of message bodies remembered per driver
+_MAX_PREDICTED = 8
+
+_Body = tuple[str, str]  # a row's stored JSON and its digest (:func:`_digest`)
+
+
+def _digest(body: str) -> str:
+    """What a guard compares: ``sha256(convert_to(body, 'UTF8'))`` on the server (whatever its encoding)."""
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class _Hint:
+    __slots__ = ("active", "head", "message_chars", "messages", "purged", "runs")
+
+    def __init__(self) -> None:
+        self.head: _Body | None = None
+        self.purged = False
+        self.runs: dict[str, _Body] = {}
+        self.messages: dict[str, _Body] = {}
+        self.message_chars = 0
+        self.active: dict[str, None] | None = None  # the ids of exactly the active runs, when known
+
+
+class _Hints:
+    """The rows this driver last read or committed of each recent conversation: its head, its recent runs
+    and messages (stored JSON and digest), which runs are active. Bounded: recent conversations, recent rows
+    each, a budget of message text.
+
+    They serve twice, never as a plain answer: a *probe* of an operation is answered from them to foresee
+    its next requests (:meth:`PostgresStoreDriver._predict`), and a write may answer from them *under
+    guard* (:meth:`_PostgresRows._speculate`): the digest of each row it was given is checked by the server,
+    under the conversation lock, in the round trip that carries the writes. A wrong hint costs time only.
+    """
+
+    def __init__(self, cache: _RecordCache) -> None:
+        self.by_conversation: OrderedDict[str, _Hint] = OrderedDict()
+        self.cache = cache
+        self.message_chars = 0
+
+    def get(self, cid: str) -> _Hint | None:
+        return self.by_conversation.get(cid)
+
+    def forget(self, cid: str) -> None:
+        self._drop(cid)
+
+    def _get(self, cid: str) -> _Hint:
+        hint = self.by_conversation.get(cid)
+        if hint is None:
+            hint = self.by_conversation[cid] = _Hint()
+            if len(self.by_conversation) > _HINT_CONVERSATIONS:
+                self._drop(next(iter(self.by_conversation)))
+        else:
+            self.by_conversation.move_to_end(cid)
+        return hint
+
+    def _drop(self, cid: str) -> None:
+        hint = self.by_conversation.pop(cid, None)
+        if hint is not None:
+            self.message_chars -= hint.message_chars
+
+    @staticmethod
+    def _put(table: dict[str, _Body], key: str, value: _Body) -> _Body | None:
+        table.pop(key, None)
+        table[key] = value
+        if len(table) > _HINT_ROWS:
+            return table.pop(next(iter(table)))
+        return None
+
+    def _message(self, hint: _Hint, key: str, value: _Body) -> None:
+        old = hint.messages.pop(key, None)
+        if old is not None:
+            hint.message_chars -= len(old[0])
+            self.message_chars -= len(old[0])
+        if len(value[0]) > _HINT_MAX_BODY:
+            return
+        evicted = self._put(hint.messages, key, value)
+        hint.message_chars += len(value[0]) - (len(evicted[0]) if evicted else 0)
+        self.message_chars += len(value[0]) - (len(evicted[0]) if evicted else 0)
+        while self.message_chars > _HINT_MESSAGE_BUDGET and self.by_conversation:
+            self._drop(next(iter(self.by_conversation)))
+
+    # ------------------------------------------------------------------------------------ learning
+
+    def saw(self, r: Request, rows: list[tuple[Any, ...]]) -> None:
+        """Remember the rows the server answered ``r`` with (read under the lock, or in a snapshot)."""
+        kind = type(r)
+        if kind is LoadHead:
+            hint = self._get(r.conversation_id)  # type: ignore[attr-defined]
+            body, purged = rows[0]
+            hint.head = (body, _digest(body)) if isinstance(body, str) else None
+            hint.purged = bool(purged)
+        elif kind is LoadRuns or kind is ListActiveRuns:
+            hint = self._get(r.conversation_id)  # type: ignore[attr-defined]
+            for run_id, body in rows:
+                if isinstance(body, str):
+                    self._put(hint.runs, run_id, (body, _digest(body)))
+            if kind is ListActiveRuns:
+                hint.active = dict.fromkeys(run_id for run_id, _ in rows)
+        elif kind is LoadMessages:
+            hint = self._get(r.conversation_id)  # type: ignore[attr-defined]
+            for message_id, body in rows:
+                if isinstance(body, str):
+                    self._message(hint, message_id, (body, _digest(body)))
+
+    def wrote(self, cid: str, written: list[tuple[str, str, str, bool]]) -> None:
+        """Remember the rows of a committed write: ``(table, id, body, active)``; table ``head``, ``run``,
+        ``message`` or ``purge``."""
+        hint = self._get(cid)
+        for table, key, body, active in written:
+            if table == "purge":
+                self._drop(cid)
+                return
+            value = (body, _digest(body))
+            if table == "head":
+                hint.head, hint.purged = value, False
+            elif table == "run":
+                self._put(hint.runs, key, value)
+                if hint.active is not None:
+                    if active:
+                        hint.active[key] = None
+                    else:
+                        hint.active.pop(key, None)
+            else:
+                self._message(hint, key, value)
+
+    # ------------------------------------------------------------------------------------- probing
+
+    def answer(self, r: Request) -> Any:
+        """A plausible answer to ``r`` for a probe: the remembered rows, else nothing found."""
+        kind = type(r)
+        if kind in (LoadReceipt, LoadReceiptByInput, LoadSeed):
+            return None
+        hint = self.by_conversation.get(getattr(r, "conversation_id", ""))
+        if kind is LoadHead:
+            if hint is None or hint.head is None:
+                return HeadState(None, purged=hint.purged if hint is not None else False)
+            return HeadState(self._decode(ConversationHead, hint.head[0]), purged=hint.purged)
+        if hint is None:
+            return []
+        if kind is LoadRuns:
+            runs = hint.runs
+            return [self._decode(Run, runs[i][0]) for i in r.run_ids if i in runs]  # type: ignore[attr-defined]
+        if kind is ListActiveRuns and hint.active is not None:
+            runs = hint.runs
+            return [self._decode(Run, runs[i][0]) for i in sorted(hint.active) if i in runs]
+        return []
+
+    def _decode(self, model: type[M], body: str) -> M:
+        return self.cache.get(model, body, lambda: "a remembered row")
+
+
 # ------------------------------------------------------------------------------------------------- rows
+
+
+class _Restart(Exception):
+    """What the operation was answered from moved (a read's second snapshot found the conversation
+    changed, or a guard of a write failed): run the operation again, without that shortcut."""
+
+
+class _Guard:
+    """The claims one guard statement checks (its parts: :data:`_GUARD_PARTS`), gathered from the answers a write
+    was given from hints until the round trip that carries them."""
+
+    __slots__ = (
+        "absent_inputs",
+        "absent_keys",
+        "absent_messages",
+        "absent_runs",
+        "active",
+        "cid",
+        "head",
+        "messages",
+        "runs",
+    )
+
+    def __init__(self, cid: str) -> None:
+        self.cid = cid
+        self.head: str | None = None
+        self.runs: dict[str, str] = {}
+        self.absent_runs: dict[str, None] = {}
+        self.active: dict[str, str] | None = None
+        self.messages: dict[str, str] = {}
+        self.absent_messages: dict[str, None] = {}
+        self.absent_keys: dict[str, None] = {}
+        self.absent_inputs: dict[str, None] = {}
+
+    def statement(self, q: _Statements, literal: Callable[[object], bytes]) -> tuple[bytes, bytes]:
+        """The ``PREPARE`` text of this guard's shape and the ``EXECUTE`` that checks its claims."""
+        parts: list[str] = []
+        values: list[object] = [self.cid]
+        for part, claim in (
+            ("head", self.head),
+            ("runs", self.runs),
+            ("no_runs", self.absent_runs),
+            ("active", self.active),
+            ("messages", self.messages),
+            ("no_messages", self.absent_messages),
+            ("no_keys", self.absent_keys),
+            ("no_inputs", self.absent_inputs),
+        ):
+            if claim is None or (not claim and part != "active"):
+                continue
+            parts.append(part)
+            if isinstance(claim, str):
+                values.append(claim)
+            elif part in ("runs", "active", "messages"):
+                values += [list(claim), list(claim.values())]  # type: ignore[union-attr]
+            else:
+                values.append(list(claim))
+        prepare, execute = q.guard(tuple(parts))
+        return prepare, execute + b", ".join([literal(v) for v in values]) + b")"
+
+
+_ANCHOR = object()  # the result slot of a continued read's head check
+_RAW = object()  # the result slot of a raw statement (left current on the cursor)
+_NONE = object()
 
 
 class _PostgresRows:
     """The :class:`~threadline.store.driver.AsyncRows` primitives over one connection inside one transaction.
 
-    Statements that need no answer (``BEGIN``, the conversation lock, writes) wait in ``pending``, bound
-    client-side, and go to the server in front of the next statement that needs an answer, or in front of
-    ``COMMIT``: one simple-protocol query string, one round trip. In a write transaction the first request
-    naming a conversation takes that conversation's advisory lock before reading it.
+    Statements that need no answer (``BEGIN``, the conversation lock, writes) wait in ``pending`` and go to
+    the server in front of the next statement that needs an answer, or in front of ``COMMIT``: one
+    simple-protocol query string, one round trip. A request that needs an answer goes together with the
+    requests the operation is predicted to make next (``predict``: the driver's probe); their rows wait in
+    ``known`` until the operation asks. In a write transaction the first statement naming a conversation
+    is preceded by that conversation's advisory lock.
+
+    A read whose requests were all foreseen ends its snapshot (``COMMIT``) in the same round trip. Should
+    it ask for more, a new snapshot is opened and the conversation head read again: every committed write
+    of a conversation rewrites its head (a higher version) or deletes it (purge), so an unchanged head means
+    no commit in between, and the two snapshots agree on that conversation. A moved head is
+    :class:`_Restart`.
     """
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], q: _Statements, cache: _RecordCache, access: Access) -> None:
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        q: _Statements,
+        cache: _RecordCache,
+        access: Access,
+        wire: _Wire,
+        hints: _Hints,
+    ) -> None:
         self.conn = conn
         self.cur = conn.cursor()
-        self._binder = psycopg.AsyncClientCursor(conn)
         self.q = q
         self.cache = cache
+        self.wire = wire
+        self.hints = hints
         self.writable = access == "write"
-        self.pending: list[str] = [q.begin_write if self.writable else q.begin_read]
+        self.speculate = False  # a write may answer from hints under guard
+        self.unverified = False  # guards of answers given are pending
+        self.round_trips = 0  # batches answered
+        self.sent = 0  # batches sent (answered or failed)
+        self.wrote: list[tuple[str, str, str, bool]] = []  # (table, id, body, active) for the hints
+        self.pending: list[str | bytes | _Guard] = [_BEGIN_WRITE if self.writable else _BEGIN_READ]
+        self.begin_settings: tuple[bytes, ...] = () if wire.session_settings else (_GENERIC_PLANS_LOCAL,)
+        self.pending.extend(self.begin_settings)
+        self.guard: _Guard | None = None  # the guard gathering claims, already in ``pending``
+        self.open = True  # a transaction is open (or opens with what is pending)
         self.locked: set[str] = set()
         self.written: list[str] = []
+        self.known: dict[Request, list[tuple[Any, ...]]] = {}
+        self.predict: Callable[[Request], tuple[list[Request], bool]] | None = None
+        self.anchor_request: LoadHead | None = None  # a read's first request, when it may end its snapshot early
+        self.anchor: tuple[str, tuple[Any, ...]] | None = None
+        self._binder: psycopg.AsyncClientCursor[Any] | None = None
 
-    def _bind(self, statement: str, params: Sequence[object] | dict[str, object]) -> str:
-        return self._binder.mogrify(statement, params)
+    # ------------------------------------------------------------------------ statements and batches
 
-    def _lock(self, conversation_id: str) -> None:
+    def _x(self, name: str, *values: object) -> bytes:
+        literal = self.wire.literal
+        return self.q.execute[name] + b", ".join([literal(v) for v in values]) + b")"
+
+    def _bind(self, statement: str, params: Sequence[object] | dict[str, object]) -> bytes:
+        if self._binder is None:
+            self._binder = psycopg.AsyncClientCursor(self.conn)
+        return self._binder.mogrify(statement, params).encode(self.wire.encoding)
+
+    def _statement(self, r: Request) -> bytes | None:
+        """The statement answering ``r`` (``None``: the answer is empty without asking)."""
+        kind = type(r)
+        x = self._x
+        if kind is LoadHead:
+            return x("head", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is LoadRuns:
+            assert isinstance(r, LoadRuns)
+            ids = list(dict.fromkeys(r.run_ids))
+            if not ids:
+                return None
+            return x("run", r.conversation_id, ids[0]) if len(ids) == 1 else x("runs_any", r.conversation_id, ids)
+        if kind is LoadMessages:
+            assert isinstance(r, LoadMessages)
+            ids = list(dict.fromkeys(r.message_ids))
+            if not ids:
+                return None
+            if len(ids) == 1:
+                return x("message", r.conversation_id, ids[0])
+            return x("messages_any", r.conversation_id, ids)
+        if kind is ListActiveRuns:
+            return x("active_runs", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is LoadReceipt:
+            assert isinstance(r, LoadReceipt)
+            return x("receipt", r.conversation_id, r.idempotency_key)
+        if kind is LoadReceiptByInput:
+            assert isinstance(r, LoadReceiptByInput)
+            return x("receipt_by_input", r.conversation_id, r.input_message_id)
+        if kind is LoadMessagesSince:
+            assert isinstance(r, LoadMessagesSince)
+            name = "messages_since" if r.include_inactive else "active_messages_since"
+            return x(name, r.conversation_id, _clamp(r.version))
+        if kind is LoadRunsSince:
+            assert isinstance(r, LoadRunsSince)
+            return x("runs_since", r.conversation_id, _clamp(r.version))
+        if kind is LoadAllRuns:
+            return x("all_runs", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is LoadSettledRange:
+            assert isinstance(r, LoadSettledRange)
+            return x("settled_range", r.conversation_id, _clamp(r.lo), _clamp(r.hi))
+        if kind is LoadSeed:
+            assert isinstance(r, LoadSeed)
+            return x("seed", r.conversation_id, r.seed_key)
+        if kind is LoadHistory:
+            return x("history", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is LoadUnsettled:
+            return x("unsettled", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is PageSettled:
+            assert isinstance(r, PageSettled)
+            params: list[object] = [r.conversation_id]
+            if r.cursor is None:
+                statement = self.q.page(r.include_inactive, r.direction, 0, "")
+            else:
+                arity, op, values = _cursor_shape(r.cursor, r.direction)
+                statement = self.q.page(r.include_inactive, r.direction, arity, op)
+                params.extend(values)
+            params.append(r.limit)
+            return self._bind(statement, params)
+        if kind is ScanActiveRuns:
+            assert isinstance(r, ScanActiveRuns)
+            if r.after is None:
+                return x("scan_first", r.limit)
+            return x("scan_after", r.after[0], r.after[1], r.limit)
+        if kind is ListConversations:
+            assert isinstance(r, ListConversations)
+            return x("conversations_first", r.limit) if r.after is None else x("conversations_after", r.after, r.limit)
+        raise AssertionError(f"no statement answers {kind.__name__}")
+
+    def _lock(self, conversation_id: str, into: list[bytes | str | _Guard] | None = None) -> None:
         if self.writable and conversation_id not in self.locked:
             self.locked.add(conversation_id)
-            self.pending.append(self._bind(self.q.lock, (self.q.lock_prefix + conversation_id,)))
+            (self.pending if into is None else into).append(self._x("lock", self.q.lock_prefix + conversation_id))
+
+    async def _send(self, requests: Sequence[Request] = (), ends: bool = False, raw: bytes | None = None) -> None:
+        """One round trip: what is pending, then a statement for each of ``requests`` (rows into ``known``),
+        then ``raw`` (its result left current on the cursor). A read ends its snapshot here when ``ends``."""
+        statements: list[str | bytes | _Guard] = []
+        slots: list[object] = []
+        if not self.open:  # a read continuing after its snapshot ended: a new one, checked against the first
+            assert self.anchor is not None
+            statements += [_BEGIN_READ, *self.begin_settings, self._x("head", self.anchor[0])]
+            slots += [None] * (1 + len(self.begin_settings)) + [_ANCHOR]
+            self.open = True
+        statements += self.pending
+        slots += [None] * len(self.pending)
+        self.pending = []
+        scope = getattr(requests[0], "conversation_id", None) if requests else None
+        for i, r in enumerate(requests):
+            cid = getattr(r, "conversation_id", None)
+            if i and self.writable and cid != scope:
+                continue  # a write locks the one conversation it touches, never a foreseen other
+            statement = self._statement(r)
+            if statement is None:
+                self.known[r] = []
+                continue
+            if cid is not None:
+                self._lock(cid, statements)
+                slots += [None] * (len(statements) - len(slots))
+            statements.append(statement)
+            slots.append(r)
+        if raw is not None:
+            statements.append(raw)
+            slots.append(_RAW)
+        elif (
+            ends
+            and not self.writable
+            and (self.anchor is not None or (self.anchor_request is not None and self.anchor_request in requests))
+        ):
+            statements.append(_COMMIT)
+            slots.append(None)
+            self.open = False
+        wire = self.wire
+        encoding = wire.encoding
+        cur = self.cur
+        self.guard = None
+        rendered: list[bytes] = []
+        for s in statements:
+            if isinstance(s, _Guard):
+                prepare, execute = s.statement(self.q, wire.literal)
+                if prepare not in wire.guards:  # a shape new to this connection: prepared on its own
+                    self.sent += 1
+                    try:
+                        await cur.execute(prepare, prepare=False)
+                    except BaseException:  # prepared or not: unknown; the pool replaces a closed connection
+                        with contextlib.suppress(Exception):
+                            await self.conn.close()
+                        raise
+                    wire.guards.add(prepare)
+                rendered.append(execute)
+            else:
+                rendered.append(s if isinstance(s, bytes) else s.encode(encoding))
+        text = b"; ".join(rendered)
+        self.sent += 1
+        try:
+            await cur.execute(text, prepare=False)
+        except psycopg.errors.DivisionByZero as error:
+            if self.unverified:  # a guard failed: a hint the operation was answered from is stale
+                raise _Restart from error
+            raise
+        self.round_trips += 1
+        self.unverified = False
+        saw = self.hints.saw
+        for i, slot in enumerate(slots):
+            if i and not cur.nextset():
+                raise AssertionError("a statement of the batch returned no result")
+            if slot is None or slot is _RAW:
+                continue
+            rows = await cur.fetchall()
+            if slot is _ANCHOR:
+                assert self.anchor is not None
+                if rows[0] != self.anchor[1]:
+                    raise _Restart
+                continue
+            self.known[slot] = rows  # type: ignore[index]
+            saw(slot, rows)  # type: ignore[arg-type]
+            if slot is self.anchor_request and self.anchor is None:
+                self.anchor = (self.anchor_request.conversation_id, rows[0])
+
+    async def _rows(self, r: Request) -> list[tuple[Any, ...]]:
+        rows = self.known.pop(r, _NONE)
+        if rows is _NONE and self.speculate:
+            rows = self._speculate(r)
+        if rows is _NONE:
+            requests, ends = self.predict(r) if self.predict is not None else ([r], False)
+            await self._send(requests, ends)
+            rows = self.known.pop(r)
+        return rows  # type: ignore[return-value]
+
+    def _speculate(self, r: Request) -> Any:
+        """The rows answering ``r`` as the hints remember them — or, for an id never seen, no row — with
+        what they claim added to the guard that the next round trip carries (after the lock): the server
+        fails the transaction unless it holds exactly those rows. ``_NONE``: no claim worth making."""
+        cid: str = getattr(r, "conversation_id", "")
+        hint = self.hints.get(cid)
+        if hint is None or hint.head is None or hint.purged:
+            return _NONE  # a conversation this driver has not seen live: read it
+        guard = self.guard
+        if guard is None:
+            guard = _Guard(cid)
+        elif guard.cid != cid:
+            return _NONE
+        kind = type(r)
+        rows: list[tuple[Any, ...]] = []
+        if kind is LoadHead:
+            if guard.head not in (None, hint.head[1]):
+                return _NONE
+            guard.head = hint.head[1]
+            rows = [(hint.head[0], False)]
+        elif kind is LoadRuns or kind is LoadMessages:
+            messages = kind is LoadMessages
+            ids = list(dict.fromkeys(r.message_ids if messages else r.run_ids))  # type: ignore[attr-defined]
+            table, present, absent = (
+                (hint.messages, guard.messages, guard.absent_messages)
+                if messages
+                else (hint.runs, guard.runs, guard.absent_runs)
+            )
+            inputs = self._inputs(hint) if messages and any(i not in table for i in ids) else ()
+            for i in ids:
+                body = table.get(i)
+                if body is None:
+                    if i in present or i in inputs:  # an input of a run: it exists, written elsewhere
+                        return _NONE
+                elif i in absent or present.get(i, body[1]) != body[1]:
+                    return _NONE
+            for i in ids:
+                body = table.get(i)
+                if body is None:
+                    absent[i] = None
+                else:
+                    present[i] = body[1]
+                    rows.append((i, body[0]))
+        elif kind is ListActiveRuns:
+            if hint.active is None or any(i not in hint.runs for i in hint.active):
+                return _NONE
+            active = {i: hint.runs[i][1] for i in sorted(hint.active)}
+            if guard.active is not None and guard.active != active:
+                return _NONE
+            guard.active = active
+            rows = [(i, hint.runs[i][0]) for i in active]
+        elif kind is LoadReceipt:
+            guard.absent_keys[r.idempotency_key] = None  # type: ignore[attr-defined]
+        elif kind is LoadReceiptByInput:
+            guard.absent_inputs[r.input_message_id] = None  # type: ignore[attr-defined]
+        else:
+            return _NONE
+        if self.guard is None:
+            self._lock(cid)
+            self.pending.append(guard)
+            self.guard = guard
+        self.unverified = True
+        return rows
+
+    def _inputs(self, hint: _Hint) -> set[str]:
+        """The input message ids of the runs the hints remember (they exist, though maybe never seen)."""
+        out: set[str] = set()
+        for body, _ in hint.runs.values():
+            out.update(self.cache.get(Run, body, lambda: "a remembered run").input_message_ids)
+        return out
 
     async def _execute(self, statement: str, params: Sequence[object] | dict[str, object]) -> None:
         """Run ``statement`` (after whatever is pending) and leave its result current on ``cur``."""
-        if not self.pending:
-            await self.cur.execute(statement, params)
-            return
-        self.pending.append(self._bind(statement, params))
-        text = "; ".join(self.pending)
-        self.pending.clear()
-        await self.cur.execute(text, prepare=False)
-        while self.cur.nextset():  # the last result is the statement's
-            pass
+        await self._send(raw=self._bind(statement, params))
 
     async def _fetch(self, statement: str, params: Sequence[object]) -> list[tuple[Any, ...]]:
         await self._execute(statement, params)
         return await self.cur.fetchall()
 
     async def commit(self) -> None:
-        """Send what is pending, then ``COMMIT``, in one round trip."""
-        self.pending.append("COMMIT")
-        text = "; ".join(self.pending)
-        self.pending.clear()
-        await self.cur.execute(text, prepare=False)
+        """Send what is pending, then ``COMMIT``, in one round trip. A read that ended its snapshot early
+        only makes sure its connection is still there (as a ``COMMIT`` would have)."""
+        if self.open or self.pending:
+            self.pending.append(_COMMIT)
+            await self._send()
+            self.open = False
+        else:
+            await self._check_alive()
+
+    async def _check_alive(self) -> None:
+        """Raise ``OperationalError`` if the server dropped this idle connection: an idle socket that is
+        readable holds a notice or the server's goodbye; a round trip tells which."""
+        try:
+            ready = bool(select.select([self.conn.pgconn.socket], [], [], 0)[0])
+        except (OSError, ValueError, psycopg.Error):
+            ready = True
+        if ready:
+            self.sent += 1
+            await self.cur.execute(b"SELECT 1", prepare=False)
 
     # ------------------------------------------------------------------ decoding rows of one table
 
@@ -545,66 +1239,41 @@ class _PostgresRows:
 
     async def load_head(self, r: LoadHead) -> HeadState:
         cid = r.conversation_id
-        self._lock(cid)
-        await self._execute(self.q.head, {"c": cid})
-        row = await self.cur.fetchone()
-        if row is None:  # pragma: no cover - a scalar SELECT always answers one row
+        rows = await self._rows(r)
+        if not rows:  # pragma: no cover - a scalar SELECT always answers one row
             raise AssertionError("the head query returned no row")
-        body, purged = row
+        body, purged = rows[0]
         return HeadState(self._head(cid, body) if body is not None else None, purged=bool(purged))
 
     async def load_runs(self, r: LoadRuns) -> list[Run]:
-        cid = r.conversation_id
         if not r.run_ids:
             return []
-        self._lock(cid)
-        ids = list(dict.fromkeys(r.run_ids))
-        if len(ids) == 1:
-            rows = await self._fetch(self.q.run, (cid, ids[0]))
-        else:
-            rows = await self._fetch(self.q.runs_any, (cid, ids))
-        found = {run.id: run for run in self._runs(cid, rows)}
+        found = {run.id: run for run in self._runs(r.conversation_id, await self._rows(r))}
         return [found[i] for i in r.run_ids if i in found]
 
     async def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
-        self._lock(r.conversation_id)
-        return self._runs(r.conversation_id, await self._fetch(self.q.active_runs, (r.conversation_id,)))
+        return self._runs(r.conversation_id, await self._rows(r))
 
     async def load_all_runs(self, r: LoadAllRuns) -> list[Run]:
-        self._lock(r.conversation_id)
-        return self._runs(r.conversation_id, await self._fetch(self.q.all_runs, (r.conversation_id,)))
+        return self._runs(r.conversation_id, await self._rows(r))
 
     async def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None:
-        self._lock(r.conversation_id)
-        rows = await self._fetch(self.q.receipt, (r.conversation_id, r.idempotency_key))
-        return self._receipt(r.conversation_id, rows)
+        return self._receipt(r.conversation_id, await self._rows(r))
 
     async def load_receipt_by_input(self, r: LoadReceiptByInput) -> AdmissionReceipt | None:
-        self._lock(r.conversation_id)
-        rows = await self._fetch(self.q.receipt_by_input, (r.conversation_id, r.input_message_id))
-        return self._receipt(r.conversation_id, rows)
+        return self._receipt(r.conversation_id, await self._rows(r))
 
     async def load_messages(self, r: LoadMessages) -> list[Message]:
-        cid = r.conversation_id
-        ids = list(dict.fromkeys(r.message_ids))
-        if not ids:
+        if not r.message_ids:
             return []
-        self._lock(cid)
-        if len(ids) == 1:
-            rows = await self._fetch(self.q.message, (cid, ids[0]))
-        else:
-            rows = await self._fetch(self.q.messages_any, (cid, ids))
-        found = {m.id: m for m in self._messages(cid, rows)}
-        return [found[i] for i in ids if i in found]
+        found = {m.id: m for m in self._messages(r.conversation_id, await self._rows(r))}
+        return [found[i] for i in dict.fromkeys(r.message_ids) if i in found]
 
     async def load_settled_range(self, r: LoadSettledRange) -> list[Message]:
-        self._lock(r.conversation_id)
-        rows = await self._fetch(self.q.settled_range, (r.conversation_id, _clamp(r.lo), _clamp(r.hi)))
-        return self._messages(r.conversation_id, rows)
+        return self._messages(r.conversation_id, await self._rows(r))
 
     async def load_seed(self, r: LoadSeed) -> SeedRecord | None:
-        self._lock(r.conversation_id)
-        rows = await self._fetch(self.q.seed, (r.conversation_id, r.seed_key))
+        rows = await self._rows(r)
         if not rows:
             return None
         key, body = rows[0]
@@ -617,52 +1286,28 @@ class _PostgresRows:
         return seed
 
     async def load_history(self, r: LoadHistory) -> list[Message]:
-        self._lock(r.conversation_id)
-        return self._messages(r.conversation_id, await self._fetch(self.q.history, (r.conversation_id,)))
+        return self._messages(r.conversation_id, await self._rows(r))
 
     async def load_messages_since(self, r: LoadMessagesSince) -> list[Message]:
-        self._lock(r.conversation_id)
-        statement = self.q.messages_since if r.include_inactive else self.q.active_messages_since
-        rows = await self._fetch(statement, (r.conversation_id, _clamp(r.version)))
-        return self._messages(r.conversation_id, rows)
+        return self._messages(r.conversation_id, await self._rows(r))
 
     async def load_runs_since(self, r: LoadRunsSince) -> list[Run]:
-        self._lock(r.conversation_id)
-        rows = await self._fetch(self.q.runs_since, (r.conversation_id, _clamp(r.version)))
-        return self._runs(r.conversation_id, rows)
+        return self._runs(r.conversation_id, await self._rows(r))
 
     async def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
-        self._lock(r.conversation_id)
-        return self._messages(r.conversation_id, await self._fetch(self.q.unsettled, (r.conversation_id,)))
+        return self._messages(r.conversation_id, await self._rows(r))
 
     async def page_settled(self, r: PageSettled) -> list[Message]:
-        self._lock(r.conversation_id)
-        params: list[object] = [r.conversation_id]
-        if r.cursor is None:
-            statement = self.q.page(r.include_inactive, r.direction, 0, "")
-        else:
-            arity, op, values = _cursor_shape(r.cursor, r.direction)
-            statement = self.q.page(r.include_inactive, r.direction, arity, op)
-            params.extend(values)
-        params.append(r.limit)
-        return self._messages(r.conversation_id, await self._fetch(statement, params))
+        return self._messages(r.conversation_id, await self._rows(r))
 
     async def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]:
-        if r.after is None:
-            rows = await self._fetch(self.q.scan_first, (r.limit,))
-        else:
-            rows = await self._fetch(self.q.scan_after, (r.after[0], r.after[1], r.limit))
         out: list[Run] = []
-        for cid, run_id, body in rows:
+        for cid, run_id, body in await self._rows(r):
             out.extend(self._runs(cid, ((run_id, body),)))
         return out
 
     async def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
-        if r.after is None:
-            rows = await self._fetch(self.q.conversations_first, (r.limit,))
-        else:
-            rows = await self._fetch(self.q.conversations_after, (r.after, r.limit))
-        return [self._head(cid, body) for cid, body in rows]
+        return [self._head(cid, body) for cid, body in await self._rows(r)]
 
     def _encode(self, record: BaseModel) -> str:
         body = record.model_dump_json()
@@ -678,33 +1323,42 @@ class _PostgresRows:
         cid = m.head.conversation_id
         self._lock(cid)
         self.written.append(cid)
-        q, bind, encode, pending = self.q, self._bind, self._encode, self.pending
+        self.known.clear()  # rows read ahead predate this write
+        x, encode, pending, wrote = self._x, self._encode, self.pending, self.wrote
         # one statement per row, so a row written twice in one mutation keeps its last version, as in memory
-        pending.append(bind(q.upsert_head, (cid, m.head.version, encode(m.head))))
+        body = encode(m.head)
+        pending.append(x("upsert_head", cid, m.head.version, body))
+        wrote.append(("head", cid, body, True))
         for run in m.runs:
-            pending.append(bind(q.upsert_run, (run.conversation_id, run.id, run.active, run.version, encode(run))))
+            body = encode(run)
+            pending.append(x("upsert_run", run.conversation_id, run.id, run.active, run.version, body))
+            wrote.append(("run", run.id, body, run.active))
             if run.state in ("interrupt_requested", "queued"):
                 # delivered at COMMIT: executors learn of a durable interrupt at once, workers of new work
                 event = "interrupt" if run.state == "interrupt_requested" else "queued"
                 payload = json.dumps({"event": event, "conversation_id": run.conversation_id, "run_id": run.id})
-                pending.append(bind(q.notify, (q.channel, payload)))
+                pending.append(x("notify", self.q.channel, payload))
         for msg in m.messages:
-            row = (
-                msg.conversation_id,
-                msg.id,
-                0 if msg.band == "lead" else 1,
-                msg.position,
-                1 if msg.role == "summary" else 0,
-                msg.seq,
-                msg.active,
-                msg.version,
-                encode(msg),
+            body = encode(msg)
+            pending.append(
+                x(
+                    "upsert_message",
+                    msg.conversation_id,
+                    msg.id,
+                    0 if msg.band == "lead" else 1,
+                    msg.position,
+                    1 if msg.role == "summary" else 0,
+                    msg.seq,
+                    msg.active,
+                    msg.version,
+                    body,
+                )
             )
-            pending.append(bind(q.upsert_message, row))
-        for x in m.receipts:
-            pending.append(bind(q.insert_receipt, (x.conversation_id, x.idempotency_key, x.input.id, encode(x))))
+            wrote.append(("message", msg.id, body, msg.active))
+        for rc in m.receipts:
+            pending.append(x("insert_receipt", rc.conversation_id, rc.idempotency_key, rc.input.id, encode(rc)))
         for seed in m.seeds:
-            pending.append(bind(q.insert_seed, (seed.conversation_id, seed.seed_key, encode(seed))))
+            pending.append(x("insert_seed", seed.conversation_id, seed.seed_key, encode(seed)))
 
     async def purge(self, r: Purge) -> None:
         if not self.writable:
@@ -712,7 +1366,9 @@ class _PostgresRows:
         cid = r.conversation_id
         self._lock(cid)
         self.written.append(cid)
-        self.pending.extend(self._bind(statement, (cid,)) for statement in self.q.purge)
+        self.known.clear()
+        self.pending.extend(self._x(name, cid) for name in _PURGE_ORDER)
+        self.wrote.append(("purge", cid, "", False))
 
 
 # ----------------------------------------------------------------------------------------- the driver
@@ -765,7 +1421,8 @@ class PostgresStoreDriver:
 
     ``run`` takes a zero-argument factory of the operation (the protocol) and retries serialization
     failures and deadlocks by calling it again; a bare generator is accepted, but is retried only when it
-    failed before receiving its first answer. ``retries`` counts transactions run again.
+    failed before receiving its first answer, and takes none of the round-trip shortcuts (they need to run
+    the operation again). ``retries`` counts transactions run again.
     """
 
     def __init__(
@@ -798,6 +1455,17 @@ class PostgresStoreDriver:
         self._idle.set()
         self.retries = 0
         """Transactions run again after a serialization failure, deadlock or dead pooled connection."""
+        self.round_trips = 0
+        """Round trips to the server by store operations (preparing statements and rollbacks included)."""
+        self.restarts = 0
+        """Operations run again because a shortcut met moved rows (a read's second snapshot found its
+        conversation changed; a write's guard failed): not failures."""
+        self.prefetch = True
+        """Read the rows an operation is foreseen to ask for together with the ones it asks for now."""
+        self.speculate = True
+        """Let a write answer from the rows last seen, each checked by the server in the write's round trip."""
+        self._hints = _Hints(self._cache)
+        self._own_backends: set[int] = set()  # server pids of this driver's connections
         self.rows_wrapper: Callable[[_PostgresRows], Any] | None = None
         """Testing seam: wraps the row primitives of every transaction (for fault injection)."""
 
@@ -809,7 +1477,9 @@ class PostgresStoreDriver:
         """Deliver this store's notifications (``{"event": "interrupt" | "queued", "conversation_id",
         "run_id"}``, sent by other processes' commits) to ``callback`` on the event loop, over one
         dedicated connection, until the returned ``stop()`` is awaited. A notification is a hint to look
-        now; the durable record stays the authority (a missed one is caught by the next CAS or sweep)."""
+        now; the durable record stays the authority (a missed one is caught by the next CAS or sweep).
+        One from another process also makes the driver forget what it last saw of that conversation, so
+        its next write reads the rows instead of guarding stale ones."""
         conninfo = self._dsn if self._dsn is not None else (self._pool.conninfo if self._pool is not None else "")
         try:
             conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
@@ -820,7 +1490,10 @@ class PostgresStoreDriver:
         async def pump() -> None:
             async for notify in conn.notifies():
                 try:
-                    callback(json.loads(notify.payload))
+                    note = json.loads(notify.payload)
+                    if notify.pid not in self._own_backends:  # another process wrote this conversation
+                        self._hints.forget(str(note.get("conversation_id")))
+                    callback(note)
                 except Exception:
                     continue
 
@@ -833,6 +1506,11 @@ class PostgresStoreDriver:
             await conn.close()
 
         return stop
+
+    def _own_backend(self, pid: int) -> None:
+        if len(self._own_backends) >= _HINT_CONVERSATIONS:
+            self._own_backends.clear()
+        self._own_backends.add(pid)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -850,7 +1528,7 @@ class PostgresStoreDriver:
                     self._dsn,
                     min_size=self._min_size,
                     max_size=self._max_size,
-                    kwargs={"autocommit": True, "prepare_threshold": 0},
+                    kwargs={"autocommit": True, "prepare_threshold": None},  # statements are prepared by the driver
                     open=False,
                     timeout=self._timeout,
                     name=f"threadline:{self.schema}",
@@ -932,15 +1610,25 @@ class PostgresStoreDriver:
                 request = op.send(None)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
-            attempts, replaced = 0, False
+            attempts, replaced, shortcuts = 0, False, True
             while True:
                 attempts += 1
                 attempt = _Attempt()
                 part = OperationStats()
                 try:
-                    result = await self._transaction(op, request, access, part, attempt)
+                    result = await self._transaction(op, request, access, part, attempt, factory, shortcuts)
                     _merge(stats, part)
                     return result
+                except _Restart:
+                    # what the operation was answered from moved: again, reading everything it asks for
+                    assert factory is not None  # shortcuts are taken only with a factory
+                    self.restarts += 1
+                    attempts -= 1
+                    shortcuts = False
+                    op.close()
+                    op = factory()  # type: ignore[misc]
+                    request = op.send(None)
+                    continue
                 except psycopg.Error as error:
                     state = _sqlstate(error)
                     fresh = not attempt.answered
@@ -959,15 +1647,32 @@ class PostgresStoreDriver:
                             f"(SQLSTATE {state}) {attempts} time(s); nothing was written, retry the call"
                         ) from error
                     if (
-                        isinstance(error, psycopg.OperationalError)
-                        and fresh
-                        and not replaced
-                        and not isinstance(error, psycopg.errors.QueryCanceled)
-                        and attempt.connected  # a connection was taken: not a pool timeout
+                        not replaced
                         and not self._closed
+                        and (
+                            # the connection lost our prepared statements (a pool's reset ran DISCARD ALL)
+                            (state == _UNPREPARED_SQLSTATE and (fresh or factory is not None))
+                            # a pooled connection the server dropped while idle: take another
+                            or (
+                                isinstance(error, psycopg.OperationalError)
+                                and not isinstance(error, psycopg.errors.QueryCanceled)
+                                and attempt.connected  # a connection was taken: not a pool timeout
+                                and not attempt.committing
+                                and (attempt.rows is None or not attempt.rows.round_trips)  # nothing came back
+                                and (fresh or factory is not None)
+                            )
+                        )
                     ):
-                        replaced = True  # a pooled connection the server dropped while idle: take another
+                        replaced = True
                         self.retries += 1
+                        if state == _UNPREPARED_SQLSTATE and attempt.rows is not None:
+                            attempt.rows.wire.prepared.clear()  # the session was reset: settings went too
+                            attempt.rows.wire.guards.clear()
+                            attempt.rows.wire.session_settings = False
+                        if not fresh:
+                            op.close()
+                            op = factory()  # type: ignore[misc]
+                            request = op.send(None)
                         continue
                     op.close()
                     mapped = self._map(error, access, attempt)
@@ -1001,8 +1706,56 @@ class PostgresStoreDriver:
             )
         return error
 
+    def _predict(
+        self,
+        factory: Callable[[], Operation[Any]],
+        history: list[tuple[Request, Any]],
+        known: dict[Request, Any],
+        first: Request,
+    ) -> tuple[list[Request], bool]:
+        """The requests the operation will make from ``first`` on, foreseen by a *probe*: a second
+        generator of the same operation (it is pure), given the answers the real one got so far, then
+        ``first`` and what follows answered from :class:`_Hints`, up to its first write. Also whether the
+        probe saw the operation end there. Costs CPU only; a wrong guess costs one more round trip later."""
+        out = [first]
+        if not self.prefetch:
+            return out, False
+        probe = factory()
+        try:
+            request = probe.send(None)
+            for asked, answer in history:
+                if request != asked:
+                    return out, False
+                request = probe.send(answer)
+            if request != first:
+                return out, False
+            hints = self._hints
+            seen = {first}
+            while True:
+                request = probe.send(hints.answer(request))
+                if isinstance(request, Write | Purge):
+                    return out, False
+                if request not in seen and request not in known:
+                    if len(out) >= _MAX_PREDICTED:
+                        return out, False
+                    seen.add(request)
+                    out.append(request)
+        except StopIteration:
+            return out, True
+        except Exception:  # the probe's guesses led it astray: what it asked before stands
+            return out, False
+        finally:
+            probe.close()
+
     async def _transaction(
-        self, op: Operation[T], request: Request, access: Access, stats: OperationStats, attempt: _Attempt
+        self,
+        op: Operation[T],
+        request: Request,
+        access: Access,
+        stats: OperationStats,
+        attempt: _Attempt,
+        factory: Callable[[], Operation[T]] | None,
+        shortcuts: bool,
     ) -> T:
         pool = self._pool
         if pool is None:
@@ -1013,7 +1766,22 @@ class PostgresStoreDriver:
             if restore:
                 await conn.set_autocommit(True)
             try:
-                rows = attempt.rows = _PostgresRows(conn, self._q, self._cache, access)
+                if not _idle_and_quiet(conn):  # the server's goodbye is waiting: use another connection
+                    await conn.close()
+                    raise psycopg.OperationalError("the pooled connection was closed by the server")
+                wire = await _wire(conn, self._q, self)
+                rows = attempt.rows = _PostgresRows(conn, self._q, self._cache, access, wire, self._hints)
+                history: list[tuple[Request, Any]] | None = None
+                if factory is not None and self.prefetch:
+                    history = []
+                    rows.predict = functools.partial(self._predict, factory, history, rows.known)
+                    if shortcuts and access == "read" and type(request) is LoadHead:
+                        rows.anchor_request = request
+                if shortcuts and self.speculate and access == "write" and factory is not None:
+                    # only on a conversation seen live before this operation: guesses about one just met
+                    # (its ids are not new to it) would mostly be wrong
+                    hint = self._hints.get(getattr(request, "conversation_id", ""))
+                    rows.speculate = hint is not None and hint.head is not None and not hint.purged
                 target: Any = self.rows_wrapper(rows) if self.rows_wrapper is not None else rows
                 try:
                     while True:
@@ -1022,6 +1790,8 @@ class PostgresStoreDriver:
                             _count_write(request, stats)
                         else:
                             stats.read(request, answer)
+                        if history is not None:
+                            history.append((request, answer))
                         attempt.answered = True
                         try:
                             request = op.send(answer)
@@ -1030,21 +1800,42 @@ class PostgresStoreDriver:
                             break
                     attempt.committing = True
                     await rows.commit()
+                except Exception as error:
+                    self.round_trips += await _rollback(conn)
+                    if rows.unverified and not isinstance(error, psycopg.Error | _Restart):
+                        # the operation gave up on answers not yet verified: they may be stale
+                        raise _Restart from error
+                    raise
                 except BaseException:
-                    await _rollback(conn)
+                    self.round_trips += await _rollback(conn)
                     raise
             finally:
+                if attempt.rows is not None:
+                    self.round_trips += attempt.rows.sent
                 if restore and not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
                     await conn.set_autocommit(False)
+        if rows.wrote:
+            self._hints.wrote(rows.written[0], rows.wrote)
         return result
 
 
-async def _rollback(conn: psycopg.AsyncConnection[Any]) -> None:
-    """End a failed transaction; a broken connection is left to the pool, which discards it."""
+def _idle_and_quiet(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether nothing waits to be read on this idle connection (one ``select``, no round trip). A server
+    that dropped the connection (restart, ``pg_terminate_backend``, idle timeout) has sent its goodbye."""
+    try:
+        return not select.select([conn.pgconn.socket], [], [], 0)[0]
+    except (OSError, ValueError, psycopg.Error):
+        return False
+
+
+async def _rollback(conn: psycopg.AsyncConnection[Any]) -> int:
+    """End a failed transaction; a broken connection is left to the pool, which discards it. Returns the
+    round trips it took (0 or 1)."""
     if conn.closed or conn.info.transaction_status not in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-        return
+        return 0
     with contextlib.suppress(psycopg.Error):
         await conn.execute("ROLLBACK", prepare=False)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------- migrations

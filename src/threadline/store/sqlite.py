@@ -1,22 +1,24 @@
 """The embedded driver (default): stdlib ``sqlite3`` in WAL mode, one dedicated thread per connection.
 
-Store operations are jobs for the connection's worker thread. The worker runs the jobs waiting in its
-queue together (group commit): one transaction —
-``BEGIN IMMEDIATE`` if any of them writes, else ``BEGIN`` — each whole reducer operation in turn through
+Group commit: operations started together share one transaction — ``BEGIN IMMEDIATE`` if any of them
+writes, else ``BEGIN`` — each whole reducer operation in turn through
 :func:`~threadline.store.driver.drive_sync`, its writes under a savepoint when it shares the transaction,
-then one ``COMMIT`` and one wake-up of the event loop for every caller of the batch. An operation that
-raises is rolled back to its savepoint and writes nothing; the others commit. A caller gets its answer
-only after the ``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose
-answer depended on it gets the error. Alone in the queue, an operation is one transaction of its own.
+then one ``COMMIT`` (at most ``max_batch`` operations per transaction). An operation that raises is rolled
+back to its savepoint and writes nothing; the others commit. A caller gets its answer only after the
+``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose answer depended
+on it gets the error.
 
-Operations started on an event loop are gathered until that loop has run what was ready (one loop
-iteration). If only one was started, the worker is idle and nothing is queued, it runs right there on the
-calling thread (the connection is shared under a lock, never used by two threads at once): the same
-transaction, without the two thread hand-offs that would cost more than the transaction itself. A burst
-goes to the worker together and commits together. Commits never checkpoint the
-WAL (``wal_autocheckpoint`` is off on this connection): after every ``_CHECKPOINT_EVERY`` write
-transactions a second thread, on a connection of its own, runs a passive checkpoint beside them, so the
-fsync a checkpoint costs stalls neither the event loop nor the operations. With ``synchronous='FULL'`` (an fsync per commit) writes always go to the worker.
+Where they run: operations started on an event loop are gathered until that loop has run what was ready
+(one loop iteration). If the connection's thread is idle and nothing waits for it, the gathered batch
+runs right there on the calling thread (the connection is shared under a lock, never used by two threads
+at once); otherwise it is queued for the thread, which takes everything waiting as one batch and wakes
+each caller's loop once. Measured on the turn workload, handing every batch to the thread costs about a
+third more CPU per turn (two thread hand-offs, and the GIL passed back and forth while both threads run
+Python) and gives no parallelism back: the reducer and the encoding are Python too. The thread takes what
+arrives while the connection is busy, searches, and, with ``synchronous='FULL'`` (an fsync per commit),
+every write, so an fsync never stalls the event loop. Commits never checkpoint the WAL
+(``wal_autocheckpoint`` is off on this connection): after every ``_CHECKPOINT_EVERY`` write transactions
+a second thread, on a connection of its own, runs a passive checkpoint beside them.
 
 The schema lives only in objects named ``threadline_*``; an application may keep its own tables (and
 ``PRAGMA user_version``) in the same file. Records are stored as their JSON, beside the few columns the
@@ -787,21 +789,19 @@ class _Checkpointer:
 
 
 class SqliteStoreDriver:
-    """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection on its own thread.
+    """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection with a thread of its own
+    (see the module docstring for group commit and where a batch runs).
 
-    **Group commit.** The worker takes the first waiting job together with the ones queued behind it (at
-    most ``max_batch``) and runs them, in queue order, in one transaction — ``BEGIN IMMEDIATE`` if any of
-    them writes, else ``BEGIN`` — then one ``COMMIT`` and one wake-up of the event loop for all of their
-    callers. Each operation's writes are isolated by a savepoint (opened at its first write, only when the
+    Each operation's writes are isolated by a savepoint (opened at its first write, only when the
     transaction is shared), so an operation that raises leaves nothing and the others go on. Answers are
     delivered only after the ``COMMIT``; if it fails (or SQLite aborts the transaction), every operation
     whose answer depended on it gets the mapped error and nothing of it is durable. An operation sees the
     rows written by the operations before it in its batch, exactly as if they had committed one by one.
 
-    ``max_batch`` is the most jobs one transaction takes. Counters (read from any thread):
-    ``transactions`` begun, ``operations`` run in them (operations and searches), and ``transaction_ns``,
-    the worker's wall time inside transactions (``BEGIN`` to ``COMMIT``); ``operations / transactions`` is
-    the mean batch size.
+    ``max_batch`` is the most operations one transaction takes. Counters (read from any thread):
+    ``transactions`` begun, ``operations`` run in them (operations and searches), ``inline_operations``
+    (those run on the calling thread), ``transaction_ns`` (wall time inside transactions, ``BEGIN`` to
+    ``COMMIT``, on either thread) and ``checkpoints``; ``operations / transactions`` is the mean batch size.
     """
 
     def __init__(
@@ -1199,16 +1199,17 @@ class SqliteStoreDriver:
         jobs = self._gathering.pop(loop, None)
         if not jobs:  # close took them first
             return
-        if len(jobs) == 1 and self._jobs.empty() and self._conn_lock.acquire(False):
+        if self._jobs.empty() and self._conn_lock.acquire(False):
             try:
                 if self._closed:
                     self._refuse(jobs)
                 else:
-                    self.inline_operations += 1
-                    self._execute(jobs)
+                    self.inline_operations += len(jobs)
+                    for start in range(0, len(jobs), self.max_batch):
+                        self._execute(jobs[start : start + self.max_batch])
             finally:
                 self._conn_lock.release()
-            _wake_all([jobs[0][5]])
+            _wake_all([job[5] for job in jobs])
             return
         with self._lock:
             if not self._closed:

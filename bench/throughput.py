@@ -405,7 +405,7 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
         for offset, count in split(args.conversations, processes):
             cmd = [sys.executable, __file__, "--child", "--dsn", args.dsn, "--schema", schema,
                    "--offset", str(offset), "--conversations", str(count), "--turns", str(args.turns),
-                   "--model", args.model, "--pool-max", str(args.pool_max)]  # fmt: skip
+                   "--model", args.model, "--pool-max", str(-(-args.pool_max // processes))]  # fmt: skip
             if args.switch_interval is not None:
                 cmd += ["--switch-interval", str(args.switch_interval)]
             children.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
@@ -482,7 +482,12 @@ def main() -> int:
     parser.add_argument("--model", choices=("function", "minimal"), default="function")
     parser.add_argument("--repeat", type=int, default=1, help="run every configuration this many times")
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (default: the test suite's)")
-    parser.add_argument("--pool-max", type=int, default=10, help="PostgreSQL pool max_size per process")
+    parser.add_argument(
+        "--pool-max",
+        type=int,
+        default=10,
+        help="PostgreSQL connections in all: each of P processes gets a pool of ceil(pool_max / P)",
+    )
     parser.add_argument("--profile", default=None, help="sqlite-1 or postgres-1: an extra run under cProfile")
     parser.add_argument(
         "--verbose",

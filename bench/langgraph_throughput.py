@@ -50,7 +50,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from langgraph_turns import ScriptedChatModel, agent
-from workload import ANSWER, machine_line, question
+from workload import ANSWER, machine_line, question, tune_gc
 
 DEFAULT_DSN = os.environ.get("THREADLINE_TEST_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/test"
 TIMEOUT_S = 300.0
@@ -103,6 +103,7 @@ async def measure(
 ) -> None:
     graph = agent(ScriptedChatModel(), saver)
     await conversation(graph, "warmup", 1, [])
+    tune_gc(args.gc)
     per_thread: list[list[int]] = [[] for _ in range(args.conversations)]
     server0 = server() if server is not None else None
     busy0, cpu0 = cpu_ticks(), time.process_time()
@@ -128,7 +129,7 @@ async def measure(
         f"p50_turn_ms={statistics.median(times) / 1e6:.1f} p90_turn_ms={q[-1] / 1e6:.1f} "
         f"max_turn_ms={times[-1] / 1e6:.1f} client_cpu_s={cpu_s:.2f} "
         + (f"server_cpu_s={server_cpu:.2f} " if server_cpu is not None else "")
-        + f"machine_busy={busy:.2f}"
+        + f"machine_busy={busy:.2f} gc={args.gc}"
         + (f" pool_max={args.pool_max}" if store == "postgres" else ""),
         flush=True,
     )
@@ -202,6 +203,7 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=100)
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
     parser.add_argument("--repeat", type=int, default=1, help="run every saver this many times")
+    parser.add_argument("--gc", choices=("default", "tuned"), default="default", help="see workload.tune_gc")
     parser.add_argument("--dsn", default=DEFAULT_DSN)
     parser.add_argument("--pool-max", type=int, default=10, help="PostgreSQL pool max_size")
     args = parser.parse_args()

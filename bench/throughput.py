@@ -74,7 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pydantic_ai.models.function import FunctionModel
 from turns import WRITE_OPS, Context, driver_call, lookup, print_profile, scripted, text
-from workload import machine_line, question
+from workload import machine_line, question, tune_gc
 
 from threadline import (
     AgentRuntime,
@@ -154,8 +154,9 @@ def metrics_totals(store: AgentRuntimeStore) -> tuple[int, int]:
     return ops, commits
 
 
-async def warm_up(runtime: AgentRuntime, tag: str) -> None:
+async def warm_up(runtime: AgentRuntime, tag: str, gc_mode: str = "default") -> None:
     await conversation(runtime, f"warmup-{tag}", 1, [])
+    tune_gc(gc_mode)
 
 
 async def run_batch(runtime: AgentRuntime, store: AgentRuntimeStore, cids: list[str], turns: int) -> Batch:
@@ -205,7 +206,7 @@ def report(
             if store == "postgres" and all(b.round_trips >= 0 for b in batches)
             else ""
         )
-        + f"machine_busy={busy:.2f} model={args.model}"
+        + f"machine_busy={busy:.2f} model={args.model} gc={args.gc}"
         + (f" pool_max={args.pool_max}" if store == "postgres" else "")
         + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else ""),
         flush=True,
@@ -248,7 +249,7 @@ async def sqlite_run(args: Any, profile: bool = False) -> None:
             store = sqlite.store
             runtime = make_runtime(store, args.model)
             clock = DriverClock(store) if args.verbose and not profile else None
-            await warm_up(runtime, "0")
+            await warm_up(runtime, "0", args.gc)
             cids = conversation_ids(0, args.conversations)
             if profile:
                 await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "sqlite-1", args)
@@ -365,7 +366,7 @@ async def postgres_one(args: Any, schema: str, profile: bool = False) -> None:
     async with await postgres_open(args, schema) as pg:
         store = pg.store
         runtime = make_runtime(store, args.model)
-        await warm_up(runtime, "0")
+        await warm_up(runtime, "0", args.gc)
         cids = conversation_ids(0, args.conversations)
         if profile:
             await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "postgres-1", args)
@@ -385,7 +386,7 @@ async def child_main(args: Any) -> int:
     async with await postgres_open(args, args.schema) as pg:
         store = pg.store
         runtime = make_runtime(store, args.model)
-        await warm_up(runtime, str(args.offset))
+        await warm_up(runtime, str(args.offset), args.gc)
         cids = conversation_ids(args.offset, args.conversations)
         print("ready", flush=True)
         line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -405,7 +406,8 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
         for offset, count in split(args.conversations, processes):
             cmd = [sys.executable, __file__, "--child", "--dsn", args.dsn, "--schema", schema,
                    "--offset", str(offset), "--conversations", str(count), "--turns", str(args.turns),
-                   "--model", args.model, "--pool-max", str(-(-args.pool_max // processes))]  # fmt: skip
+                   "--model", args.model, "--gc", args.gc,
+                   "--pool-max", str(-(-args.pool_max // processes))]  # fmt: skip
             if args.switch_interval is not None:
                 cmd += ["--switch-interval", str(args.switch_interval)]
             children.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
@@ -481,6 +483,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
     parser.add_argument("--model", choices=("function", "minimal"), default="function")
     parser.add_argument("--repeat", type=int, default=1, help="run every configuration this many times")
+    parser.add_argument("--gc", choices=("default", "tuned"), default="default", help="see workload.tune_gc")
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (default: the test suite's)")
     parser.add_argument(
         "--pool-max",

@@ -32,3 +32,18 @@ def machine_line() -> str:
     import platform
 
     return f"# machine: cpus={os.cpu_count()} loadavg={load} python={platform.python_version()}"
+
+
+GC_THRESHOLD = 50_000
+
+
+def tune_gc(mode: str) -> None:
+    """``--gc tuned``: what a long-running server does after start-up (both systems get the same): move
+    everything alive now out of the collector's reach (``gc.freeze``) and collect the youngest generation
+    every ``GC_THRESHOLD`` allocations instead of 700. ``default`` leaves Python's settings alone."""
+    import gc
+
+    if mode == "tuned":
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_THRESHOLD, 20, 100)

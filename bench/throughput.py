@@ -481,7 +481,7 @@ def main() -> int:
     )
     parser.add_argument("--conversations", type=int, default=100)
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
-    parser.add_argument("--model", choices=("function", "minimal"), default="function")
+    parser.add_argument("--model", choices=("function", "minimal"), default="minimal", help="as in turns.py")
     parser.add_argument("--repeat", type=int, default=1, help="run every configuration this many times")
     parser.add_argument("--gc", choices=("default", "tuned"), default="default", help="see workload.tune_gc")
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="PostgreSQL (default: the test suite's)")

@@ -1174,9 +1174,9 @@ class SqliteStoreDriver:
             del value
 
     async def _gathered(self, operation: Operation[Any], access: Access, stats: OperationStats) -> Any:
-        """Hold the operation until the event loop has run what is ready now, then: alone, with the worker
-        idle and nothing queued, run it here at once; otherwise queue everything gathered for the worker,
-        where it shares a transaction with the rest (so a burst still commits together)."""
+        """Hold the operation until the event loop has run what is ready now (``_flush``): everything
+        gathered by then commits together, here on the calling thread when the worker is idle and nothing
+        waits for it, else on the worker."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         box: list[Any] = []
@@ -1230,8 +1230,9 @@ class SqliteStoreDriver:
         return await self._submit(_JOB_CALL, fn, args, None)  # type: ignore[no-any-return]
 
     async def run(self, operation: Callable[[], Operation[T]], *, access: Access, stats: OperationStats) -> T:
-        """Run ``operation()`` on the worker thread, in a transaction it may share with the operations
-        queued at the same moment (group commit).
+        """Run ``operation()`` in a transaction it may share with the operations started at the same
+        moment (group commit): on the calling thread when the connection's thread is idle, else on that
+        thread (always there for a write with ``synchronous='FULL'``).
 
         When it returns, the transaction holding its writes has committed: durable against a process
         crash with ``synchronous='NORMAL'``, against power loss too with ``'FULL'``. When it raises,

@@ -97,60 +97,64 @@ class Lane:
         runtime = self.runtime
         hint = self._sole_admitted()
         while not runtime.closing:
+            guessed = hint is not None
             if hint is not None:
                 # the common case: one input, nothing ahead of it here; skip the read of the active runs
-                run, hint = hint, None
-                self.admitted.pop(run.id, None)
-                proceed = await runtime.execute(self, run, self.contexts[run.id])
-                if proceed and runtime.waiters.waiting(run.id):
-                    continue  # refused (order, revision or state moved): look at the stored runs
-                self.contexts.pop(run.id, None)
-                if not proceed or not self.contexts:
+                head, hint = hint, None
+            else:
+                found = await self._stored_head()
+                if found is None:
                     return
-                continue
-            active = await runtime.retry_store(
-                lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id)
-            )
-            await self._settle_ended(active.runs)
-            if not active.runs:
-                return
-            head = active.runs[0]
-            if head.acquired or head.id not in self.contexts:
-                # another executor holds it, or an orphan from an earlier process: recovery decides.
-                # Inputs waiting behind it cannot run here now; their tickets say so.
-                self.blocked_on = head.id
-                if head.acquired and head.id in self.contexts:
-                    # another executor acquired the run this process meant to run (e.g. a concurrent
-                    # recovery pass elsewhere): the record is that executor's now
-                    self.contexts.pop(head.id, None)
-                    runtime.waiters.reject(
-                        head.id,
-                        AgentRunOwnershipConflictError(
-                            f"run {head.id} was acquired by {head.owner_id}",
-                            conversation_id=self.conversation_id,
-                            run_id=head.id,
-                            actual_revision=head.revision,
-                            run=head,
-                        ),
-                    )
-                for run in active.runs[1:]:
-                    if run.id in self.contexts:
-                        runtime.waiters.reject(
-                            run.id,
-                            AgentRunUnsettledError(
-                                f"run {run.id} is queued behind run {head.id} ({head.state}, owner {head.owner_id}); "
-                                "recover() or resume() runs it once that run has ended",
-                                run=run,
-                                owner_id=None,
-                            ),
-                        )
-                return
-            self.blocked_on = None
+                head = found
             self.admitted.pop(head.id, None)
             proceed = await runtime.execute(self, head, self.contexts[head.id])
+            if guessed and proceed and runtime.waiters.waiting(head.id):
+                continue  # refused (order, revision or state moved): look at the stored runs
             self.contexts.pop(head.id, None)
             if not proceed or not self.contexts:
                 return  # nothing else this process was asked to run here
+
+    async def _stored_head(self) -> Run | None:
+        """The first active run in durable order, if this lane may run it now; otherwise None, with the
+        tickets that cannot run here now settled."""
+        runtime = self.runtime
+        active = await runtime.retry_store(lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id))
+        await self._settle_ended(active.runs)
+        if not active.runs:
+            return None
+        head = active.runs[0]
+        if head.acquired or head.id not in self.contexts:
+            # another executor holds it, or an orphan from an earlier process: recovery decides.
+            # Inputs waiting behind it cannot run here now; their tickets say so.
+            self.blocked_on = head.id
+            if head.acquired and head.id in self.contexts:
+                # another executor acquired the run this process meant to run (e.g. a concurrent
+                # recovery pass elsewhere): the record is that executor's now
+                self.contexts.pop(head.id, None)
+                runtime.waiters.reject(
+                    head.id,
+                    AgentRunOwnershipConflictError(
+                        f"run {head.id} was acquired by {head.owner_id}",
+                        conversation_id=self.conversation_id,
+                        run_id=head.id,
+                        actual_revision=head.revision,
+                        run=head,
+                    ),
+                )
+            for run in active.runs[1:]:
+                if run.id in self.contexts:
+                    runtime.waiters.reject(
+                        run.id,
+                        AgentRunUnsettledError(
+                            f"run {run.id} is queued behind run {head.id} ({head.state}, owner {head.owner_id}); "
+                            "recover() or resume() runs it once that run has ended",
+                            run=run,
+                            owner_id=None,
+                        ),
+                    )
+            return None
+        self.blocked_on = None
+        return head
 
 
 @dataclass

@@ -3,9 +3,9 @@
 
 - *prefetch*: the rows an operation is foreseen to ask for travel in the round trip of the first request;
 - a read ends its snapshot in that round trip, and checks the conversation head when it must go on;
-- a write answers from the rows it last saw, each guarded (md5, under the conversation lock) in the
-  round trip that carries the writes; a failed guard, or an operation that gave up on such answers, runs
-  the operation again on the rows read from the server.
+- a write answers from the rows it last saw, each guarded (SHA-256 of its stored JSON, under the
+  conversation lock) in the round trip that carries the writes; a failed guard, or an operation that
+  gave up on such answers, runs the operation again on the rows read from the server.
 
 Every test works in its own schema, dropped afterwards.
 """
@@ -13,8 +13,7 @@ Every test works in its own schema, dropped afterwards.
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ psycopg = pytest.importorskip("psycopg")
 pytest.importorskip("psycopg_pool")
 
 from psycopg_pool import AsyncConnectionPool  # noqa: E402
+from test_postgres_store import Rows, handle_for, sql  # noqa: E402
 from test_sqlite_store import Clock, text, turn  # noqa: E402
 
 from threadline.store.postgres import (  # noqa: E402
@@ -37,47 +37,10 @@ pytestmark = pytest.mark.postgres
 OWNER = "owner-1"  # the owner test_sqlite_store.turn acquires with
 
 
-@pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
-    name = f"threadline_test_{uuid.uuid4().hex}"
-    yield name
-    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-
-
-def handle_for(dsn: str, schema: str, **kwargs: Any) -> PostgresAgentRuntimeStoreHandle:
-    return create_postgres_agent_runtime_store(dsn, schema=schema, clock=Clock(), **kwargs)
-
-
-async def sql(dsn: str, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        cur = await conn.execute(statement, params)
-        return await cur.fetchall() if cur.description else []
-
-
 async def trips(pg: PostgresAgentRuntimeStoreHandle, call: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:
     before = pg.driver.round_trips
     result = await call()
     return pg.driver.round_trips - before, result
-
-
-class Rows:
-    """Wraps one transaction's row primitives; ``hooks`` run instead of one (and may call it)."""
-
-    def __init__(self, inner: Any, hooks: dict[str, Callable[[Any, Any], Awaitable[Any]]]) -> None:
-        self.inner = inner
-        self.hooks = hooks
-
-    def __getattr__(self, name: str) -> Any:
-        hook = self.hooks.get(name)
-        method = getattr(self.inner, name)
-        if hook is None:
-            return method
-
-        async def call(request: Any) -> Any:
-            return await hook(self.inner, request)
-
-        return call
 
 
 # ------------------------------------------------------------------------------------------ round trips

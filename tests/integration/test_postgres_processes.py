@@ -6,11 +6,9 @@ processes would."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import psycopg
 import pytest
 from pydantic_ai.messages import ModelRequest, UserPromptPart
 from pydantic_ai.models.function import FunctionModel
@@ -19,14 +17,6 @@ from threadline import create_agent_runtime, define_agent_protocol, define_model
 from threadline.store.postgres import create_postgres_agent_runtime_store
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
-    name = f"threadline_test_{uuid.uuid4().hex}"
-    yield name
-    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 def runtime(store: Any, handler: Any, **runs: Any) -> Any:

@@ -13,8 +13,7 @@ import random
 import re
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -51,15 +50,6 @@ OWNER = "owner-1"
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
-    """A fresh schema name; the schema (if created) is dropped after the test."""
-    name = f"threadline_test_{uuid.uuid4().hex}"
-    yield name
-    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 def handle_for(dsn: str, schema: str, **kwargs: Any) -> PostgresAgentRuntimeStoreHandle:

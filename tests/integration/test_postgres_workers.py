@@ -11,12 +11,10 @@ import random
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from pydantic_ai.models.function import FunctionModel
 
@@ -25,14 +23,6 @@ from threadline.store.postgres import create_postgres_agent_runtime_store
 
 WORKER = Path(__file__).with_name("_pg_worker.py")
 pytestmark = [pytest.mark.postgres, pytest.mark.subprocess]
-
-
-@pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
-    name = f"threadline_test_{uuid.uuid4().hex}"
-    yield name
-    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 async def unused(messages: list[Any], info: Any) -> AsyncIterator[Any]:

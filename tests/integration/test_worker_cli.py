@@ -6,11 +6,9 @@ import asyncio
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import psycopg
 import pytest
 from pydantic_ai.models.function import FunctionModel
 
@@ -18,14 +16,6 @@ from threadline import create_agent_runtime, define_agent_protocol, define_model
 from threadline.store.postgres import create_postgres_agent_runtime_store
 
 pytestmark = [pytest.mark.postgres, pytest.mark.subprocess]
-
-
-@pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
-    name = f"threadline_test_{uuid.uuid4().hex}"
-    yield name
-    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 async def never(messages: list[Any], info: Any) -> AsyncIterator[Any]:

@@ -1161,17 +1161,10 @@ class SqliteStoreDriver:
         box: list[Any] = []
         with self._lock:
             if self._closed:
-                raise AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
+                raise self._closed_error()
             self._jobs.put((kind, a, b, c, loop, future, box))
         await future
-        ok, value = box
-        box.clear()
-        if ok:
-            return value
-        try:
-            raise value
-        finally:
-            del value
+        return _unbox(box)
 
     async def _gathered(self, operation: Operation[Any], access: Access, stats: OperationStats) -> Any:
         """Hold the operation until the event loop has run what is ready now (``_flush``): everything
@@ -1186,14 +1179,7 @@ class SqliteStoreDriver:
             loop.call_soon(self._flush, loop)
         pending.append((_JOB_OP, operation, access, stats, loop, future, box))
         await future
-        ok, value = box
-        box.clear()
-        if ok:
-            return value
-        try:
-            raise value
-        finally:
-            del value
+        return _unbox(box)
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         jobs = self._gathering.pop(loop, None)
@@ -1222,7 +1208,10 @@ class SqliteStoreDriver:
     def _refuse(self, jobs: list[tuple[Any, ...]]) -> None:
         for job in jobs:
             job[1].close()
-            job[6][:] = (False, AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed"))
+            job[6][:] = (False, self._closed_error())
+
+    def _closed_error(self) -> AgentStoreUnavailableError:
+        return AgentStoreUnavailableError(f"the SQLite store {self.filename} was closed")
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the worker thread, between transactions (in queue order), and return its
@@ -1274,6 +1263,18 @@ class SqliteStoreDriver:
         else:
             await asyncio.to_thread(self._thread.join)
         self._thread.join()
+
+
+def _unbox(box: list[Any]) -> Any:
+    """A job's answer, emptied out of its box (see ``_submit``): the value, or its exception raised."""
+    ok, value = box
+    box.clear()
+    if ok:
+        return value
+    try:
+        raise value
+    finally:
+        del value
 
 
 def _post(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[None]]) -> None:

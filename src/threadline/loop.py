@@ -148,12 +148,15 @@ class RunControl:
         self.run_id = run_id
         self.abort_reason: str | None = None
         self._aborted = asyncio.Event()
+        self._cut: dict[asyncio.Future[Any], bool] = {}  # abortable work in flight -> cancelled by abort
         self.injections: list[str] = []
 
     def abort(self, reason: str) -> None:
         if self.abort_reason is None:
             self.abort_reason = reason
             self._aborted.set()
+            for work in tuple(self._cut):
+                self._cut[work] = work.cancel()
 
     @property
     def aborted(self) -> bool:
@@ -539,22 +542,24 @@ class _Execution:
         )
 
     async def _abortable(self, work: Awaitable[Any]) -> Any:
-        """Run ``work`` until it finishes or the run is aborted (then cancel it and raise ``_Aborted``)."""
+        """Run ``work`` until it finishes or the run is aborted (then cancel it and raise ``_Aborted``).
+        The abort cancels the work's task directly (no watcher task per call); cancelling the caller
+        cancels the work too."""
+        control = self.control
         task = asyncio.ensure_future(work)
-        waiter = asyncio.ensure_future(self.control.wait())
+        control._cut[task] = task.cancel() if control.aborted else False
         try:
-            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
+            result = await task
+        except BaseException:  # after the abort's cancel, whatever the work raised means: aborted
+            current = asyncio.current_task()
+            if control._cut.get(task) and (current is None or not current.cancelling()):
+                raise _Aborted() from None
             raise
         finally:
-            waiter.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise _Aborted()
+            cut = control._cut.pop(task, False)
+        if cut:  # the work ignored the abort's cancellation and finished anyway: the run still stops
+            raise _Aborted()
+        return result
 
     async def _callback(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -43,15 +43,18 @@ class ConversationView:
         self.apply(changes)
 
     def apply(self, changes: ConversationChanges) -> None:
-        if changes.reset:
+        self._apply(changes.version, changes.messages, changes.runs, changes.reset)
+
+    def _apply(self, version: int, messages: Sequence[Message], runs: Sequence[Run], reset: bool = False) -> None:
+        if reset:
             self._settled, self._keys, self._unsettled, self._by_id, self._runs = [], [], {}, {}, {}
             self.generation += 1
-        for run in changes.runs:
+        for run in runs:
             if run.active:
                 self._runs[run.id] = run
             else:
                 self._runs.pop(run.id, None)
-        for message in sorted(changes.messages, key=_arrival):
+        for message in sorted(messages, key=_arrival):
             self._remove(message.id)
             if not message.active:
                 continue
@@ -68,23 +71,19 @@ class ConversationView:
             else:
                 self._keys.append(key)
                 self._settled.append(message)
-        self.version = changes.version
+        self.version = version
 
     def observe(self, write: Write | Purge) -> None:
         """Apply a write this process committed, without reading it back, when it is the very next version
         (anything else leaves the view as it is: ``refresh`` reads what it missed)."""
         if isinstance(write, Purge):
             if write.conversation_id == self.conversation_id:
-                self.apply(ConversationChanges(conversation_id=self.conversation_id, version=0, reset=True))
+                self._apply(0, (), (), reset=True)
             return
         m = write.mutation
         if m.head is None or m.head.conversation_id != self.conversation_id or m.head.version != self.version + 1:
             return
-        self.apply(
-            ConversationChanges(
-                conversation_id=self.conversation_id, version=m.head.version, messages=m.messages, runs=m.runs
-            )
-        )
+        self._apply(m.head.version, m.messages, m.runs)
 
     def _remove(self, message_id: str) -> None:
         old = self._by_id.pop(message_id, None)

@@ -109,8 +109,9 @@ class AbsorbClaim:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _evolve(record: Run, **changes: object) -> Run:
-    run = record.model_copy(update=changes)
+def _evolve(record: Run, version: int, **changes: object) -> Run:
+    """``record`` with ``changes``, stamped with the head ``version`` its mutation produces (one copy)."""
+    run = record.model_copy(update={**changes, "version": version})
     problem = run_invariant_problem(run)
     if problem:  # a reducer bug, never user input: fail loudly before anything is written
         raise AssertionError(f"reducer produced an inconsistent run {run.id}: {problem}")
@@ -122,13 +123,16 @@ def _bump(head: ConversationHead, now: Timestamp, **changes: int) -> Conversatio
 
 
 def _stamp(mutation: Mutation) -> Mutation:
-    """Stamp every written run and message with the head version this mutation produces."""
+    """Stamp every written run and message with the head version this mutation produces. Records built
+    with that version already (the usual case) are kept as they are; only the others are copied."""
     assert mutation.head is not None
     v = mutation.head.version
+    if all(r.version == v for r in mutation.runs) and all(m.version == v for m in mutation.messages):
+        return mutation
     return Mutation(
         head=mutation.head,
-        runs=tuple(r.model_copy(update={"version": v}) for r in mutation.runs),
-        messages=tuple(m.model_copy(update={"version": v}) for m in mutation.messages),
+        runs=tuple(r if r.version == v else r.model_copy(update={"version": v}) for r in mutation.runs),
+        messages=tuple(m if m.version == v else m.model_copy(update={"version": v}) for m in mutation.messages),
         receipts=mutation.receipts,
         seeds=mutation.seeds,
     )
@@ -253,17 +257,17 @@ def causal_order(messages: Iterable[Message], active_runs: Iterable[Run]) -> lis
     return settled + unsettled
 
 
-def _settle(head: ConversationHead, messages: Sequence[Message]) -> tuple[ConversationHead, list[Message]]:
-    """Give ``messages`` the next settled positions, in the order given."""
-    position = head.settled_position
+def _settle(position: int, messages: Sequence[Message], version: int) -> tuple[int, list[Message]]:
+    """Give ``messages`` the settled positions after ``position``, in the order given, stamped with the head
+    ``version`` their mutation produces; returns the last position taken and the messages."""
     settled = []
     for m in messages:
         if m.position is not None:
-            settled.append(m)
+            settled.append(m if m.version == version else m.model_copy(update={"version": version}))
             continue
         position += 1
-        settled.append(m.model_copy(update={"position": position}))
-    return head.model_copy(update={"settled_position": position}), settled
+        settled.append(m.model_copy(update={"position": position, "version": version}))
+    return position, settled
 
 
 # ---------------------------------------------------------------------------------------- admission
@@ -319,16 +323,17 @@ def accept_input_and_assign_run(
         )
 
     seq = head.message_seq + 1
-    head = _bump(head, now, message_seq=seq)
+    admission_seq = head.admission_seq + (target is None)
+    head = _bump(head, now, message_seq=seq, admission_seq=admission_seq)
     if target is not None:
         run = _evolve(
             target,
+            head.version,
             revision=target.revision + 1,
             input_message_ids=(*target.input_message_ids, input.id),
             updated_at=now,
         )
     else:
-        head = head.model_copy(update={"admission_seq": head.admission_seq + 1})
         run = Run(
             id=run_id,
             conversation_id=conversation_id,
@@ -339,6 +344,7 @@ def accept_input_and_assign_run(
             priority=priority,
             input_policy=input_policy,
             admission_sequence=head.admission_seq,
+            version=head.version,
             created_at=now,
             updated_at=now,
         )
@@ -428,10 +434,12 @@ def acquire_run(
     execution_sequence = run.execution_sequence
     if execution_sequence is None:
         execution_sequence = head.execution_seq + 1
-        head = head.model_copy(update={"execution_seq": execution_sequence})
-    head = _bump(head, now)
+        head = _bump(head, now, execution_seq=execution_sequence)
+    else:
+        head = _bump(head, now)
     acquired = _evolve(
         run,
+        head.version,
         state="running",
         revision=run.revision + 1,
         fencing_token=run.fencing_token + 1,
@@ -464,8 +472,8 @@ def checkpoint_run_assistant(
     _check_owned(run, expected_revision, owner_id, fencing_token, "checkpoint")
     existing: list[Message] = yield LoadMessages(conversation_id, (run.assistant_message_id,))
     if existing:
-        draft = existing[0].model_copy(update={"parts": tuple(parts), "status": "streaming"})
         head = _bump(head, now)
+        draft = existing[0].model_copy(update={"parts": tuple(parts), "status": "streaming", "version": head.version})
     else:
         head = _bump(head, now, message_seq=head.message_seq + 1)
         draft = Message(
@@ -477,9 +485,10 @@ def checkpoint_run_assistant(
             run_id=run.id,
             created_at=now,
             seq=head.message_seq,
+            version=head.version,
         )
     changes: dict[str, object] = {"last_operation": operation} if operation is not None else {}
-    updated = _evolve(run, revision=run.revision + 1, updated_at=now, **changes)
+    updated = _evolve(run, head.version, revision=run.revision + 1, updated_at=now, **changes)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
     yield Write(w)
     return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0])
@@ -500,7 +509,7 @@ def record_run_operation(
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "record an operation on")
     head = _bump(head, now)
-    updated = _evolve(run, revision=run.revision + 1, last_operation=operation, updated_at=now)
+    updated = _evolve(run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now)
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
     return RunResult(run=w.runs[0], version=head.version)
@@ -521,7 +530,7 @@ def renew_run_lease(
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "renew the lease of")
     head = _bump(head, now)
-    updated = _evolve(run, revision=run.revision + 1, lease_expires_at=lease_expires_at, updated_at=now)
+    updated = _evolve(run, head.version, revision=run.revision + 1, lease_expires_at=lease_expires_at, updated_at=now)
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
     return RunResult(run=w.runs[0], version=head.version)
@@ -549,7 +558,7 @@ def request_run_interrupt(
     if run.state == "interrupt_requested":
         return InterruptResult(outcome="already_requested", run=run, version=head.version)
     head = _bump(head, now)
-    updated = _evolve(run, state="interrupt_requested", revision=run.revision + 1, updated_at=now)
+    updated = _evolve(run, head.version, state="interrupt_requested", revision=run.revision + 1, updated_at=now)
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
     return InterruptResult(outcome="requested", run=w.runs[0], version=head.version)
@@ -640,10 +649,11 @@ def commit_run_terminal(
     else:
         assistant = assistant.model_copy(update={"status": status, "parts": final_parts})
     inputs = [found[mid] for mid in (*run.input_message_ids, *absorbed_inputs) if mid in found]
-    head, settled = _settle(head.model_copy(update={"message_seq": seq}), [*inputs, assistant])
-    head = _bump(head, now)
+    position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
+    head = _bump(head, now, message_seq=seq, settled_position=position)
     final = _evolve(
         run,
+        head.version,
         state=state,
         terminal_reason=terminal_reason,
         policy_name=policy_name,
@@ -656,6 +666,7 @@ def commit_run_terminal(
     absorbed_final = tuple(
         _evolve(
             r,
+            head.version,
             state="superseded",
             terminal_reason="absorbed",
             absorbed_into_run_id=run.id,
@@ -708,7 +719,7 @@ def recover_run(
     if action == "requeue":
         head = _bump(head, now)
         requeued = _evolve(
-            run, state="queued", owner_id=None, lease_expires_at=None, revision=run.revision + 1, updated_at=now
+            run, head.version, state="queued", owner_id=None, lease_expires_at=None, revision=run.revision + 1, updated_at=now
         )
         w = _stamp(Mutation(head=head, runs=(requeued,)))
         yield Write(w)
@@ -731,10 +742,11 @@ def recover_run(
     else:
         assistant = assistant.model_copy(update={"status": "failed"})
     inputs = [found[mid] for mid in run.input_message_ids if mid in found]
-    head, settled = _settle(head.model_copy(update={"message_seq": seq}), [*inputs, assistant])
-    head = _bump(head, now)
+    position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
+    head = _bump(head, now, message_seq=seq, settled_position=position)
     final = _evolve(
         run,
+        head.version,
         state="abandoned",
         terminal_reason="abandoned",
         revision=run.revision + 1,

@@ -315,6 +315,9 @@ class LoopEnv:
     publish: Callable[[Any], None]
     view: ConversationView
     operator_publish: Callable[[Any], None] = lambda event: None
+    publishing: bool = True
+    """Whether ``publish`` goes anywhere; when not, events are not even built (they cost a validation each)."""
+    operator_publishing: bool = True
     sequences: dict[str, int] = field(default_factory=dict)
     """Transient sequence per run, kept by the runtime so a re-execution continues the numbering."""
     lease: tuple[float, Callable[[], Any]] | None = None
@@ -459,6 +462,8 @@ class _OwnedRun:
         event is published first, with its original timestamp."""
         result = await self._owned(self.env.store.checkpoint_run_assistant, parts=list(parts), operation=operation)
         self.checkpoints += 1
+        if not self.env.publishing:
+            return
         run = self.run
         self.env.publish(
             AssistantCheckpointEvent(
@@ -476,6 +481,8 @@ class _OwnedRun:
             self._published_operation(operation, result.version)
 
     def _published_operation(self, operation: RunOperation, version: int) -> None:
+        if not self.env.publishing:
+            return
         self.env.publish(
             RunOperationEvent(
                 event_id=durable_event_id(self.run.id, "run-operation", version, operation.phase),
@@ -529,6 +536,8 @@ class _Execution:
 
     def _transient(self, cls: type, **fields: Any) -> None:
         """Publish a transient event, numbered from 1 per run counting only what is published."""
+        if not self.env.publishing:
+            return
         sequences = self.env.sequences
         sequence = sequences[self.run.id] = sequences.get(self.run.id, 0) + 1
         self.env.publish(
@@ -1054,6 +1063,8 @@ class _Execution:
         self, step: int, model: AgentModelDescriptor, response: ModelResponse | None, first: RunOperation | None = None
     ) -> None:
         """Operator event: what this provider call reported (its own figures, not a sum)."""
+        if not self.env.operator_publishing:
+            return
         ttft = None
         if first is not None and first.first_output_at is not None:
             ttft = max(0.0, (first.first_output_at - first.started_at).total_seconds())

@@ -349,6 +349,9 @@ class AgentRuntime:
         self.loop_settings.compaction = compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
+        # without a publisher no event is built at all
+        self.publishing = publish is not None
+        self.operator_publishing = operator_publish is not None
         self._sequences: dict[str, int] = {}
         self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
         self.runtime_epoch = uuid.uuid4().hex
@@ -429,6 +432,8 @@ class AgentRuntime:
         return lane
 
     def _publish_run_state(self, run: Run, version: int) -> None:
+        if not self.publishing:
+            return
         self.publish(
             RunStateEvent(
                 event_id=durable_event_id(run.id, "run-state", version),
@@ -555,19 +560,20 @@ class AgentRuntime:
             coalesced=accepted.coalesced,
         )
         ticket.admission.set_result(admission)
-        self.publish(
-            AdmissionEvent(
-                event_id=durable_event_id(run.id, "admission", accepted.version),
-                conversation_id=conversation_id,
-                run_id=run.id,
-                version=accepted.version,
-                outcome=accepted.outcome,
-                input=accepted.receipt.input,
-                run=run,
-                assistant_message_id=accepted.receipt.assistant_message_id,
-                coalesced=accepted.coalesced,
+        if self.publishing:
+            self.publish(
+                AdmissionEvent(
+                    event_id=durable_event_id(run.id, "admission", accepted.version),
+                    conversation_id=conversation_id,
+                    run_id=run.id,
+                    version=accepted.version,
+                    outcome=accepted.outcome,
+                    input=accepted.receipt.input,
+                    run=run,
+                    assistant_message_id=accepted.receipt.assistant_message_id,
+                    coalesced=accepted.coalesced,
+                )
             )
-        )
         if accepted.outcome == "accepted" and not accepted.coalesced:
             self._publish_run_state(run, accepted.version)
         ticket.accepted.set_result(admission)
@@ -672,16 +678,17 @@ class AgentRuntime:
         queue_wait = None
         if acquired.run.acquired_at is not None:
             queue_wait = max(0.0, (acquired.run.acquired_at - acquired.run.created_at).total_seconds())
-        self.operator_publish(
-            AgentRunStartedEvent(
-                conversation_id=run.conversation_id,
-                run_id=run.id,
-                runtime_epoch=self.runtime_epoch,
-                owner_id=self.owner_id,
-                fencing_token=acquired.run.fencing_token,
-                queue_wait=queue_wait,
+        if self.operator_publishing:
+            self.operator_publish(
+                AgentRunStartedEvent(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    runtime_epoch=self.runtime_epoch,
+                    owner_id=self.owner_id,
+                    fencing_token=acquired.run.fencing_token,
+                    queue_wait=queue_wait,
+                )
             )
-        )
         control = RunControl(run.id)
         lane.control = control
         prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)
@@ -697,6 +704,8 @@ class AgentRuntime:
             tools=lambda _execution: self._run_tools(prompt_ctx),
             publish=self.publish,
             operator_publish=self.operator_publish,
+            publishing=self.publishing,
+            operator_publishing=self.operator_publishing,
             sequences=self._sequences,
             lease=(self.runs.lease_duration, self._lease_expiry) if self.runs.lease_duration else None,
             view=self._view(run.conversation_id),
@@ -708,21 +717,22 @@ class AgentRuntime:
         finally:
             lane.control = None
         self._sequences.pop(run.id, None)
-        self.operator_publish(
-            AgentRunTerminalEvent(
-                conversation_id=run.conversation_id,
-                run_id=run.id,
-                runtime_epoch=self.runtime_epoch,
-                owner_id=self.owner_id,
-                fencing_token=acquired.run.fencing_token,
-                outcome="committed" if outcome.committed else ("unsettled" if outcome.unsettled else "lost"),
-                terminal_reason=outcome.reason or outcome.run.terminal_reason,
-                policy_name=outcome.run.policy_name,
-                steps=outcome.steps,
-                usage=outcome.usage,
-                cause=describe_internal_cause(outcome.cause or outcome.lost or outcome.unsettled),
+        if self.operator_publishing:
+            self.operator_publish(
+                AgentRunTerminalEvent(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    runtime_epoch=self.runtime_epoch,
+                    owner_id=self.owner_id,
+                    fencing_token=acquired.run.fencing_token,
+                    outcome="committed" if outcome.committed else ("unsettled" if outcome.unsettled else "lost"),
+                    terminal_reason=outcome.reason or outcome.run.terminal_reason,
+                    policy_name=outcome.run.policy_name,
+                    steps=outcome.steps,
+                    usage=outcome.usage,
+                    cause=describe_internal_cause(outcome.cause or outcome.lost or outcome.unsettled),
+                )
             )
-        )
         if outcome.lost is not None:
             error = outcome.lost
             if not isinstance(error, AgentStoreConflictError):
@@ -746,18 +756,19 @@ class AgentRuntime:
         if outcome.committed:
             version = outcome.run.version
             self._publish_run_state(outcome.run, version)
-            self.publish(
-                TerminalEvent(
-                    event_id=durable_event_id(run.id, "terminal", version),
-                    conversation_id=run.conversation_id,
-                    run_id=run.id,
-                    version=version,
-                    terminal_reason=outcome.run.terminal_reason or "",
-                    policy_name=outcome.run.policy_name,
-                    assistant=outcome.assistant,
-                    usage=outcome.usage,
+            if self.publishing:
+                self.publish(
+                    TerminalEvent(
+                        event_id=durable_event_id(run.id, "terminal", version),
+                        conversation_id=run.conversation_id,
+                        run_id=run.id,
+                        version=version,
+                        terminal_reason=outcome.run.terminal_reason or "",
+                        policy_name=outcome.run.policy_name,
+                        assistant=outcome.assistant,
+                        usage=outcome.usage,
+                    )
                 )
-            )
             for absorbed in outcome.absorbed_runs:
                 self._publish_run_state(absorbed, version)
                 self.waiters.resolve(absorbed.id, _result_from(absorbed, outcome.assistant))

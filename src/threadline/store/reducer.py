@@ -719,7 +719,13 @@ def recover_run(
     if action == "requeue":
         head = _bump(head, now)
         requeued = _evolve(
-            run, head.version, state="queued", owner_id=None, lease_expires_at=None, revision=run.revision + 1, updated_at=now
+            run,
+            head.version,
+            state="queued",
+            owner_id=None,
+            lease_expires_at=None,
+            revision=run.revision + 1,
+            updated_at=now,
         )
         w = _stamp(Mutation(head=head, runs=(requeued,)))
         yield Write(w)

@@ -208,12 +208,25 @@ def _reported_cost(response: ModelResponse) -> AgentCost | None:
     return None
 
 
+_UNPRICED: dict[tuple[str, str | None, str | None], None] = {}
+"""Models the price tables do not know (looking one up scans the tables: tens of microseconds per step)."""
+_UNPRICED_LIMIT = 256
+
+
 def _estimated_cost(response: ModelResponse) -> AgentCost | None:
     if not response.model_name:
         return None
+    key = (response.model_name, response.provider_name, response.provider_url)
+    if key in _UNPRICED:
+        return None
     try:
         price = response.cost()
-    except Exception:  # LookupError: unknown model/provider; ValueError: usage not measured; anything
-        return None  # else: a price table is an estimate and never fails the run that asked for it
+    except LookupError:  # an unknown model or provider stays unknown: remember it (bounded)
+        if len(_UNPRICED) >= _UNPRICED_LIMIT:
+            _UNPRICED.pop(next(iter(_UNPRICED)))
+        _UNPRICED[key] = None
+        return None
+    except Exception:  # ValueError: usage not measured; anything else: a price table is an estimate
+        return None  # and never fails the run that asked for it
     amount = _decimal(price.total_price)
     return AgentCost(amount=amount, currency=USD, provenance="estimated") if amount is not None else None

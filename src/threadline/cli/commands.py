@@ -336,6 +336,32 @@ StateFilter = Annotated[
 LimitOption = Annotated[int, typer.Option("--limit", help="At most this many rows.", min=1)]
 
 
+def _inspect(
+    view: str,
+    db: Path | None,
+    dsn: str | None,
+    schema_name: str | None,
+    conversation: str | None,
+    state: str | None,
+    as_json: bool,
+    limit: int,
+) -> None:
+    """What every ``inspect`` subcommand does: read the store and print ``view`` (import on demand)."""
+    with _reported():
+        from .inspect import inspect_command
+
+        inspect_command(
+            view,
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            state=state,
+            as_json=as_json,
+            limit=limit,
+        )
+
+
 @inspect_app.command("conversations")
 def inspect_conversations(
     db: DbOption = None,
@@ -346,19 +372,7 @@ def inspect_conversations(
     limit: LimitOption = 1000,
 ) -> None:
     """Conversations: id, version, runs, messages, active runs, last change."""
-    with _reported():
-        from .inspect import inspect_command
-
-        inspect_command(
-            "conversations",
-            db=db,
-            dsn=dsn,
-            schema=schema_name,
-            conversation=None,
-            state=state,
-            as_json=as_json,
-            limit=limit,
-        )
+    _inspect("conversations", db, dsn, schema_name, None, state, as_json, limit)
 
 
 @inspect_app.command("runs")
@@ -372,19 +386,7 @@ def inspect_runs(
     limit: LimitOption = 1000,
 ) -> None:
     """Runs: state, terminal reason, policy, priority, inputs, owner and fencing token."""
-    with _reported():
-        from .inspect import inspect_command
-
-        inspect_command(
-            "runs",
-            db=db,
-            dsn=dsn,
-            schema=schema_name,
-            conversation=conversation,
-            state=state,
-            as_json=as_json,
-            limit=limit,
-        )
+    _inspect("runs", db, dsn, schema_name, conversation, state, as_json, limit)
 
 
 @inspect_app.command("messages")
@@ -398,19 +400,7 @@ def inspect_messages(
     limit: LimitOption = 50,
 ) -> None:
     """The last --limit messages of each conversation (or of --conversation), in the order they happened."""
-    with _reported():
-        from .inspect import inspect_command
-
-        inspect_command(
-            "messages",
-            db=db,
-            dsn=dsn,
-            schema=schema_name,
-            conversation=conversation,
-            state=state,
-            as_json=as_json,
-            limit=limit,
-        )
+    _inspect("messages", db, dsn, schema_name, conversation, state, as_json, limit)
 
 
 @inspect_app.command("events")
@@ -426,16 +416,4 @@ def inspect_events(
     """A timeline of the durable facts each run records: admitted, acquired, its last operation, its
     terminal. threadline keeps no event log (delivery events are post-commit notifications, not stored),
     so this is derived from the run rows; transient events (deltas, tool status) are not recoverable."""
-    with _reported():
-        from .inspect import inspect_command
-
-        inspect_command(
-            "events",
-            db=db,
-            dsn=dsn,
-            schema=schema_name,
-            conversation=conversation,
-            state=state,
-            as_json=as_json,
-            limit=limit,
-        )
+    _inspect("events", db, dsn, schema_name, conversation, state, as_json, limit)

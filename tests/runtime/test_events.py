@@ -252,3 +252,32 @@ async def test_a_reconnecting_consumer_sees_no_false_gap_and_a_true_one(store: A
         cursor, kind = advance_agent_runtime_event_cursor(cursor, event)
         seen.append(kind)
     assert seen.count("gap") == 1
+
+
+async def test_each_publisher_gets_its_events_without_the_other(store: Any) -> None:
+    """Events are built only for a publisher that exists; a missing one changes nothing for the other."""
+
+    async def words(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        for w in ("one ", "two"):
+            yield w
+
+    async def one(key: str, **publishers: Any) -> Any:
+        runtime = make_runtime(store, Script(words), **publishers)
+        result = await asyncio.wait_for(submit(runtime, key, "hello").result, 10)
+        await runtime.close()
+        assert answer_text(result) == "one two"
+        return result.run.id
+
+    both_delivery, both_operator = Recorder(), Recorder()
+    both = await one("both", publish=both_delivery, operator_publish=both_operator)
+    delivery = Recorder()
+    alone = await one("delivery", publish=delivery)
+    operator = Recorder()
+    operator_alone = await one("operator", operator_publish=operator)
+
+    assert delivery.types(alone) == both_delivery.types(both)
+    assert "assistant-delta" in delivery.types(alone) and delivery.types(alone)[-1] == "terminal"
+    assert transient_sequences(delivery.events, alone) == transient_sequences(both_delivery.events, both) == [1, 2]
+    assert (
+        operator.types(operator_alone) == both_operator.types(both) == ["run-started", "step-finished", "run-terminal"]
+    )

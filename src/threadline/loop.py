@@ -4,7 +4,8 @@ Per step: take injected inputs at the boundary → load the snapshot this run ma
 ``prepare_step`` → durably record the ``model-request`` operation (a failed write prevents the call) →
 stream, publishing deltas and checkpointing every ``checkpoint_every_events`` events and at every
 structural boundary → run the step's tool calls behind the fence → stop policies → next step. The
-terminal commit is one CAS; only its winner publishes the delivery ``terminal`` event.
+terminal commit is one CAS (it also records the last step's completion: no checkpoint of its own); only
+its winner publishes the delivery ``terminal`` event.
 
 Failures are classified by where they happened, never by message text: the provider stream →
 ``provider_failure``; the application's callbacks → ``runtime_failure``; an owned store mutation refused →
@@ -529,6 +530,8 @@ class _Execution:
         self._finished_calls: set[str] = set()
         self._lifecycle = compose_tool_lifecycle()
         self._prefix_call_ids: Any = frozenset()
+        self._last_step: tuple[RunOperation | None, RunOperation] | None = None
+        """(first output, completion) of a final step: the terminal commit records them (one commit)."""
 
     @property
     def run(self) -> Run:
@@ -1037,10 +1040,11 @@ class _Execution:
             completed = operation.model_copy(
                 update={"phase": "completed", "finished_at": _now(), "first_output_at": first_at}
             )
-            await self.owned.checkpoint(self.parts, completed, preceding=first)
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
-            if not calls:
+            if not calls:  # the last step: its finish is written by the terminal commit, right after
+                self._last_step = (first, completed)
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
+            await self.owned.checkpoint(self.parts, completed, preceding=first)
             # each call passes the lifecycle (application hooks, then the fence) before its effect; results
             # are accepted only by the next owned commit, whose CAS verifies owner, token and revision again
             held = [c for c in calls if await self._needs_approval(c)]
@@ -1142,6 +1146,7 @@ class _Execution:
                     parts=parts,
                     policy_name=policy_name if reason == "policy_stop" else None,
                     absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
+                    operation=self._last_step[1] if self._last_step is not None else None,
                 )
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:
@@ -1161,6 +1166,11 @@ class _Execution:
                 return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=error, steps=self.steps)
             except Exception as error:
                 return RunOutcome(reason=None, run=self.run, usage=self.usage, unsettled=error, steps=self.steps)
+            if self._last_step is not None and result.outcome == "committed":
+                first, completed = self._last_step
+                if first is not None:
+                    self.owned._published_operation(first, result.version)
+                self.owned._published_operation(completed, result.version)
             return RunOutcome(
                 reason=result.run.terminal_reason,
                 run=result.run,

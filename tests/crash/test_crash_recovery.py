@@ -75,13 +75,13 @@ POINTS = [
     Point("after:accept:c1:key=k3", "third input coalesced into the queued successor"),
     Point("stream:c1:1:3", "mid-stream after 3 deltas, coalesced successor queued"),
     # the first terminal
-    Point("mid:checkpoint:c1:run=k0;op=completed", "step-finish checkpoint written, COMMIT not reached"),
-    Point("before:terminal:c1:run=k0", "before the first terminal commit"),
+    Point("before:terminal:c1:run=k0", "before the first terminal commit (it also records the step's finish)"),
     Point("mid:terminal:c1:run=k0", "first terminal written, COMMIT not reached"),
     Point("after:terminal:c1:run=k0", "after the first terminal, successor not acquired"),
     # the coalesced successor: a tool call, the tool, then an answer
     Point("after:acquire:c1:run=k1+k3", "coalesced successor acquired"),
     Point("stream:c1:2:1", "tool call streamed, before its structural checkpoint"),
+    Point("mid:checkpoint:c1:run=k1+k3;parts=tool-call;op=completed", "step-finish checkpoint written, no COMMIT"),
     Point("after:checkpoint:c1:run=k1+k3;parts=tool-call;op=completed", "between the checkpoint and the tool"),
     Point("tool:before-effect:c1:1", "tool started, before its effect"),
     Point("tool:after-effect:c1:1", "tool effect applied, result not checkpointed"),

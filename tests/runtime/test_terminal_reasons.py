@@ -204,7 +204,7 @@ async def test_a_refused_owned_mutation_is_a_storage_conflict(store: Any) -> Non
 
     async def refusing(**kwargs: Any) -> Any:
         operation = kwargs.get("operation")
-        if operation is not None and operation.phase == "completed":  # the step-finish checkpoint
+        if operation is not None and operation.phase == "started":  # the request's durable admission
             raise AgentStoreConflictError("refused by the store", conversation_id=kwargs["conversation_id"])
         return await original(**kwargs)
 
@@ -276,14 +276,18 @@ async def test_abandon_closes_an_orphan_with_evidence(store: Any) -> None:
     await runtime.close()
 
 
-async def test_45_deltas_give_four_checkpoints(store: Any) -> None:
+async def test_45_deltas_give_three_checkpoints_and_the_terminal(store: Any) -> None:
     async def chatty(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
         for n in range(45):
             yield f"w{n} "
 
     result = await run_one(store, script_of(chatty))
     assert result.terminal_reason == "success"
-    assert store.metrics["checkpoint_run_assistant"].calls == 4  # initial draft, two batches of 20, step end
+    # initial draft, two batches of 20; the last step's end is written by the terminal commit itself
+    assert store.metrics["checkpoint_run_assistant"].calls == 3
+    assert store.metrics["commit_run_terminal"].calls == 1
+    assert result.run.last_operation is not None and result.run.last_operation.phase == "completed"
+    assert answer_text(result) == "".join(f"w{n} " for n in range(45))
 
 
 async def test_instructions_reach_every_request(store: Any) -> None:

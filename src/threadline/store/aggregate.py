@@ -280,8 +280,10 @@ class AgentRuntimeStore:
         parts: Sequence[Part | Mapping[str, Any]] | None = None,
         policy_name: str | None = None,
         absorb: Sequence[AbsorbClaim | Mapping[str, Any]] = (),
+        operation: RunOperation | Mapping[str, Any] | None = None,
     ) -> TerminalResult:
-        """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`)."""
+        """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
+        ``operation``, its ``last_operation`` phase is recorded in the same commit."""
         try:
             claims = _CLAIMS.validate_python(list(absorb))
         except ValidationError as error:
@@ -297,6 +299,7 @@ class AgentRuntimeStore:
             parts=_parts(parts, "parts"),
             policy_name=policy_name,
             absorb=claims,
+            operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             now=self._clock(),
         )
         return await self._run("commit_run_terminal", op, "write")

@@ -1849,7 +1849,8 @@ async def case_concurrent_writes(store: AgentRuntimeStore) -> None:
 async def case_owned_mutations(store: AgentRuntimeStore) -> None:
     """Operation records and leases: record_run_operation stores ``last_operation`` and renew_run_lease
     stores ``lease_expires_at``, each incrementing the revision and the version; acquiring a run that is
-    not queued is AgentRunStateConflictError; a stale acquire revision is a revision conflict."""
+    not queued is AgentRunStateConflictError; a stale acquire revision is a revision conflict; a terminal
+    given an ``operation`` records it as ``last_operation`` in the same commit."""
     c = _Conv(store, "conv-owned")
     queued = (await c.admit("a")).run
     await _refused(
@@ -1914,8 +1915,12 @@ async def case_owned_mutations(store: AgentRuntimeStore) -> None:
     res = await store.renew_run_lease(**owned, expected_revision=run.revision, lease_expires_at=later)
     _equal((res.run.lease_expires_at, res.run.revision), (later, run.revision + 1), "lease renewal")
     _equal(await c.load(run.id), res.run, "load_run returns the renewed lease")
-    done = await c.finish(res.run)
+    completed = {**operation, "phase": "completed", "finished_at": datetime(2030, 1, 1, 0, 0, 2, tzinfo=UTC)}
+    done = await c.finish(res.run, operation=completed)
     _equal(done.run.lease_expires_at, None, "a terminal releases the lease")
+    assert done.run.last_operation is not None
+    _equal(done.run.last_operation.model_dump(exclude_none=True), completed, "the terminal records the operation")
+    _equal(await c.load(run.id), done.run, "load_run returns the operation the terminal recorded")
 
 
 @_case("records_round_trip")

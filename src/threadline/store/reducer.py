@@ -576,14 +576,17 @@ def commit_run_terminal(
     parts: Sequence[Part] | None = None,
     policy_name: str | None = None,
     absorb: Sequence[AbsorbClaim] = (),
+    operation: RunOperation | None = None,
 ) -> Operation[TerminalResult]:
     """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
     and — only for a completed run — absorbs the claimed queued runs in the same transaction.
 
-    ``parts=None`` keeps the last checkpointed draft. A run that is already terminal is returned as
-    ``already_terminal`` (the caller lost; it must not publish a terminal event). A claim whose queued run
-    moved (for example an input coalesced into it after the last step boundary) is cancelled and reported
-    in ``absorption_cancelled``: that run will answer its inputs itself.
+    ``parts=None`` keeps the last checkpointed draft. ``operation``, when given, becomes the run's
+    ``last_operation`` in the same commit (the last step's completion needs no checkpoint of its own).
+    A run that is already terminal is returned as ``already_terminal`` (the caller lost; it must not
+    publish a terminal event). A claim whose queued run moved (for example an input coalesced into it
+    after the last step boundary) is cancelled and reported in ``absorption_cancelled``: that run will
+    answer its inputs itself.
     """
     if terminal_reason in NON_COMMIT_REASONS:
         raise AgentRecordValidationError(
@@ -654,6 +657,7 @@ def commit_run_terminal(
     final = _evolve(
         run,
         head.version,
+        **({"last_operation": operation} if operation is not None else {}),
         state=state,
         terminal_reason=terminal_reason,
         policy_name=policy_name,

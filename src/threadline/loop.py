@@ -166,6 +166,18 @@ class RunControl:
     async def wait(self) -> None:
         await self._aborted.wait()
 
+    def watch(self, work: asyncio.Future[Any]) -> None:
+        """Cancel ``work`` when the run is aborted (at once if it already is) until :meth:`unwatch`."""
+        self._cut[work] = work.cancel() if self.aborted else False
+
+    def cut(self, work: asyncio.Future[Any]) -> bool:
+        """Whether the abort cancelled ``work`` while it was still running."""
+        return self._cut.get(work, False)
+
+    def unwatch(self, work: asyncio.Future[Any]) -> bool:
+        """Stop watching ``work``; returns :meth:`cut` as it was."""
+        return self._cut.pop(work, False)
+
     def offer_injection(self, run_id: str) -> None:
         """An ``inject`` input's queued run may join this run at its next step boundary."""
         if run_id != self.run_id and run_id not in self.injections:
@@ -559,16 +571,16 @@ class _Execution:
         cancels the work too."""
         control = self.control
         task = asyncio.ensure_future(work)
-        control._cut[task] = task.cancel() if control.aborted else False
+        control.watch(task)
         try:
             result = await task
         except BaseException:  # after the abort's cancel, whatever the work raised means: aborted
             current = asyncio.current_task()
-            if control._cut.get(task) and (current is None or not current.cancelling()):
+            if control.cut(task) and (current is None or not current.cancelling()):
                 raise _Aborted() from None
             raise
         finally:
-            cut = control._cut.pop(task, False)
+            cut = control.unwatch(task)
         if cut:  # the work ignored the abort's cancellation and finished anyway: the run still stops
             raise _Aborted()
         return result

@@ -1,0 +1,127 @@
+"""Abortable work inside one execution: an abort cancels what is in flight and the run stops; cancelling
+the executing task cancels the work too and stays a cancellation; work that finished first keeps its
+result."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from threadline.loop import RunControl, _Aborted, _Execution
+
+
+def abortable(control: RunControl, work: Any) -> Any:
+    # _abortable uses only the execution's control
+    return _Execution._abortable(SimpleNamespace(control=control), work)  # type: ignore[arg-type]
+
+
+async def test_work_that_finishes_returns_its_result() -> None:
+    control = RunControl("r")
+
+    async def work() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    assert await abortable(control, work()) == 7
+    assert await abortable(control, work()) == 7  # and again: nothing is left over from the first
+
+
+async def test_an_abort_cancels_the_work_and_stops_the_run() -> None:
+    control = RunControl("r")
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    waiting = asyncio.ensure_future(abortable(control, work()))
+    await started.wait()
+    control.abort("interrupted")
+    with pytest.raises(_Aborted):
+        await waiting
+    assert cancelled.is_set()
+
+
+async def test_an_abort_before_the_work_starts_cancels_it_at_once() -> None:
+    control = RunControl("r")
+    control.abort("shutdown")
+    ran = []
+
+    async def work() -> None:
+        ran.append(True)
+
+    with pytest.raises(_Aborted):
+        await abortable(control, work())
+    assert ran == []
+
+
+async def test_work_that_ignores_the_abort_still_ends_the_run_aborted() -> None:
+    control = RunControl("r")
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def stubborn() -> str:
+        started.set()
+        while True:
+            try:
+                await release.wait()
+                return "finished anyway"
+            except asyncio.CancelledError:
+                continue  # swallows the cancellation
+
+    waiting = asyncio.ensure_future(abortable(control, stubborn()))
+    await started.wait()
+    control.abort("interrupted")
+    await asyncio.sleep(0)
+    assert not waiting.done()  # it waits for the work to end: nothing is left running behind the run
+    release.set()
+    with pytest.raises(_Aborted):
+        await waiting
+
+
+async def test_cancelling_the_caller_cancels_the_work_and_is_not_an_abort() -> None:
+    control = RunControl("r")
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    waiting = asyncio.ensure_future(abortable(control, work()))
+    await started.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert cancelled.is_set() and not control.aborted
+
+
+async def test_a_gathered_batch_is_cancelled_as_a_whole() -> None:
+    control = RunControl("r")
+    started = asyncio.Event()
+    cancelled: list[int] = []
+
+    async def tool(n: int) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+
+    waiting = asyncio.ensure_future(abortable(control, asyncio.gather(tool(1), tool(2))))
+    await started.wait()
+    await asyncio.sleep(0)
+    control.abort("interrupted")
+    with pytest.raises(_Aborted):
+        await waiting
+    assert sorted(cancelled) == [1, 2]

@@ -72,6 +72,21 @@ class AgentCost(BaseModel):
         return self
 
 
+_FIGURES: dict[tuple[int | None, str, bool], UsageFigure] = {}
+_FIGURES_LIMIT = 4096
+
+
+def _figure(value: int | None, provenance: Provenance, floor: bool = False) -> UsageFigure:
+    """A shared ``UsageFigure`` (frozen, of immutable values): every step builds several, mostly the same."""
+    key = (value, provenance, floor)
+    figure = _FIGURES.get(key)
+    if figure is None:
+        if len(_FIGURES) >= _FIGURES_LIMIT:
+            _FIGURES.clear()
+        figure = _FIGURES[key] = UsageFigure(value=value, provenance=provenance, floor=floor)
+    return figure
+
+
 def _total_provenance(*provenances: Provenance) -> Provenance:
     """A sum is ``computed`` unless one of its known parts was a guess."""
     return "estimated" if "estimated" in provenances else "computed"
@@ -115,7 +130,7 @@ class AgentUsage(BaseModel):
             "cache_write_tokens": usage.cache_write_tokens,
             "reasoning_tokens": usage.output_reasoning_tokens,
         }
-        figures = {k: UsageFigure(value=v, provenance="provider-reported") for k, v in values.items()}
+        figures = {k: _figure(v, "provider-reported") for k, v in values.items()}
         return cls(steps=1, **figures)
 
     @classmethod
@@ -153,13 +168,13 @@ class AgentUsage(BaseModel):
             a, b = getattr(self, name), getattr(other, name)
             known = [f for f in (a, b) if f.value is not None]
             if not known:
-                figures[name] = UsageFigure()
+                figures[name] = _figure(None, "unavailable")
                 continue
             missing = self._token_missing(a) or other._token_missing(b)
-            figures[name] = UsageFigure(
-                value=sum(f.value for f in known if f.value is not None),
-                provenance=_total_provenance(*(f.provenance for f in known)),
-                floor=missing,
+            figures[name] = _figure(
+                sum(f.value for f in known if f.value is not None),
+                _total_provenance(*(f.provenance for f in known)),
+                missing,
             )
         figures["cost"] = self._add_cost(other)
         return AgentUsage(steps=self.steps + other.steps, complete=self.complete and other.complete, **figures)

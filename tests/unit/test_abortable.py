@@ -18,6 +18,21 @@ def abortable(control: RunControl, work: Any) -> Any:
     return _Execution._abortable(SimpleNamespace(control=control), work)  # type: ignore[arg-type]
 
 
+class Slow:
+    """Work that waits long, says when it started and whether it was cancelled."""
+
+    def __init__(self) -> None:
+        self.started, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work(self) -> None:
+        self.started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
 async def test_work_that_finishes_returns_its_result() -> None:
     control = RunControl("r")
 
@@ -31,22 +46,13 @@ async def test_work_that_finishes_returns_its_result() -> None:
 
 async def test_an_abort_cancels_the_work_and_stops_the_run() -> None:
     control = RunControl("r")
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    waiting = asyncio.ensure_future(abortable(control, work()))
-    await started.wait()
+    slow = Slow()
+    waiting = asyncio.ensure_future(abortable(control, slow.work()))
+    await slow.started.wait()
     control.abort("interrupted")
     with pytest.raises(_Aborted):
         await waiting
-    assert cancelled.is_set()
+    assert slow.cancelled.is_set()
 
 
 async def test_an_abort_before_the_work_starts_cancels_it_at_once() -> None:
@@ -87,22 +93,13 @@ async def test_work_that_ignores_the_abort_still_ends_the_run_aborted() -> None:
 
 async def test_cancelling_the_caller_cancels_the_work_and_is_not_an_abort() -> None:
     control = RunControl("r")
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    waiting = asyncio.ensure_future(abortable(control, work()))
-    await started.wait()
+    slow = Slow()
+    waiting = asyncio.ensure_future(abortable(control, slow.work()))
+    await slow.started.wait()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert cancelled.is_set() and not control.aborted
+    assert slow.cancelled.is_set() and not control.aborted
 
 
 async def test_a_gathered_batch_is_cancelled_as_a_whole() -> None:

@@ -3,7 +3,8 @@
 Per step: take injected inputs at the boundary → load the snapshot this run may see → project it →
 ``prepare_step`` → durably record the ``model-request`` operation (a failed write prevents the call) →
 stream, publishing deltas and checkpointing every ``checkpoint_every_events`` events and at every
-structural boundary → run the step's tool calls behind the fence → stop policies → next step. The
+structural boundary (a completed tool call: at the next part, else by the step's finish) → run the step's
+tool calls behind the fence → stop policies → next step. The
 terminal commit is one CAS (it also records the last step's completion: no checkpoint of its own); only
 its winner publishes the delivery ``terminal`` event.
 
@@ -680,20 +681,28 @@ class _Execution:
                 ):
                     state["stream"] = stream
                     count = 0
+                    # A completed tool call is a structural boundary. Its checkpoint is written when the
+                    # next event arrives; when the stream ends there instead (the usual case: a part ends
+                    # as the next one starts or as the stream closes), the step-finish commit stands for
+                    # it. No tool runs before that commit, so the deferral never lets an effect precede it.
+                    boundary = False
                     async for event in stream:
                         if timeout is not None:
                             timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
                         if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
                             continue
-                        structural = isinstance(event, PartEndEvent) and isinstance(event.part, PaiToolCallPart)
                         if isinstance(event, PartEndEvent):
                             if isinstance(event.part, PaiThinkingPart):
                                 self._reasoning_end(event.part, model.provider_name)
+                            elif isinstance(event.part, PaiToolCallPart):
+                                boundary = True
+                                continue
                         else:
                             count += 1
                             self._on_event(event, operation, state, model.provider_name)
-                        if structural or count >= every:
+                        if boundary or count >= every:
                             count = 0
+                            boundary = False
                             # the first-output phase rides along with the next commit
                             first, state["first_pending"] = state["first_pending"], None
                             await self.owned.checkpoint(

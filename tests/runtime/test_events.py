@@ -114,6 +114,38 @@ async def test_parallel_tool_calls_run_concurrently_and_record_in_call_order(sto
     assert [r.call_id for r in results] == ["ca", "cb"] and [r.output for r in results] == ["done a", "done b"]
 
 
+async def test_a_tool_call_boundary_is_checkpointed_once(store: Any) -> None:
+    """A completed tool call forces a checkpoint: at the next part's start, or, when the stream ends right
+    after the call, by the step-finish commit alone (no second commit of the same draft)."""
+
+    @define_agent_tool
+    async def echo(name: str) -> str:
+        return name
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield {0: DeltaToolCall(name="echo", json_args='{"name": "a"}', tool_call_id="ca")}
+        elif i == 1:
+            yield {0: DeltaToolCall(name="echo", json_args='{"name": "b"}', tool_call_id="cb")}
+            yield {1: DeltaToolCall(name="echo", json_args='{"name": "c"}', tool_call_id="cc")}
+        else:
+            yield "done"
+
+    result, delivery, _ = await run_with(store, Script(handler), tools=[echo])
+    assert result.terminal_reason == "success"
+    drafts = [[f"{p.type}:{p.call_id}" for p in e.parts] for e in delivery.of("assistant-checkpoint")]
+    ca, ra = "tool-call:ca", "tool-result:ca"
+    step_1 = [ca, ra, "tool-call:cb", "tool-call:cc"]
+    assert drafts == [
+        [],  # step 0: the request's admission
+        [ca],  # step 0 ends with its call: the step-finish commit is the call's checkpoint
+        [ca, ra],  # step 1: its admission carries step 0's result
+        step_1,  # cb ended as cc started: checkpointed there
+        step_1,  # step 1's finish
+        [*step_1, "tool-result:cb", "tool-result:cc"],  # step 2's admission
+    ]
+
+
 async def test_tool_progress_is_transient_throttled_and_final(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     reporters: list[Any] = []
 

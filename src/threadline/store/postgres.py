@@ -95,12 +95,12 @@ from ..errors import (
     AgentConversationPurgedError,
     AgentRecordValidationError,
     AgentStoreBusyError,
-    AgentStoreCorruptRecordError,
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
+from .codec import RecordCache, decode, foreign
 from .driver import (
     _SYNC_DISPATCH,
     Access,
@@ -154,7 +154,6 @@ _MAX_ATTEMPTS = 10
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 _CACHE_BUDGET = 4 * 1024 * 1024  # characters of JSON kept decoded per driver
-_CACHE_MAX_ROW = 16 * 1024
 _SORT_COLUMNS = ("band_rank", "position", "sub", "seq")
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -575,64 +574,6 @@ def _cursor_shape(cursor: Sequence[int], direction: str) -> tuple[int, str, list
 # ------------------------------------------------------------------------------------------------ decoding
 
 
-def _decode(model: type[M], body: object, where: str) -> M:
-    """Read one stored record. A malformed or foreign body is a corrupt record; an unknown
-    ``schema_version`` propagates as :class:`~threadline.errors.AgentRecordSchemaVersionError`."""
-    try:
-        if not isinstance(body, str):
-            raise TypeError(f"body is {type(body).__name__}, not JSON text")
-        return model.model_validate_json(body)
-    except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-        lines = str(error).strip().splitlines()
-        first = " ".join(lines[:3]) if lines else type(error).__name__
-        raise AgentStoreCorruptRecordError(
-            f"cannot read the row as a {model.__name__}: {first}", where=where
-        ) from error
-
-
-def _foreign(model: str, where: str, expected: str, found: str) -> AgentStoreCorruptRecordError:
-    return AgentStoreCorruptRecordError(f"the {model} in this row belongs to {found!r}, not {expected!r}", where=where)
-
-
-class _RecordCache:
-    """Decoded records keyed by their exact stored JSON, so a row read or written before is not validated
-    again. Only deeply immutable records are kept (runs, heads, seed records); messages and receipts hold
-    JSON containers a caller could mutate and are decoded fresh. Bounded by size; shared by every
-    connection of the driver (decoding is deterministic, so the key alone decides the record)."""
-
-    def __init__(self, budget: int = _CACHE_BUDGET) -> None:
-        self.budget = budget
-        self.used = 0
-        self.by_model: dict[type[BaseModel], dict[str, BaseModel]] = {Run: {}, ConversationHead: {}, SeedRecord: {}}
-
-    def get(self, model: type[M], body: object, where: Callable[[], str]) -> M:
-        table = self.by_model.get(model)
-        if table is None or not isinstance(body, str):
-            return _decode(model, body, where())
-        record = table.get(body)
-        if record is None:
-            record = _decode(model, body, where())
-            self._put(table, body, record)
-        return record  # type: ignore[return-value]
-
-    def remember(self, record: BaseModel, body: str) -> None:
-        table = self.by_model.get(type(record))
-        if table is not None:
-            self._put(table, body, record)
-
-    def _put(self, table: dict[str, BaseModel], body: str, record: BaseModel) -> None:
-        size = len(body)
-        if size > _CACHE_MAX_ROW:
-            return
-        if self.used + size > self.budget:
-            for t in self.by_model.values():
-                t.clear()
-            self.used = 0
-        if body not in table:
-            table[body] = record
-            self.used += size
-
-
 # ------------------------------------------------------------------------------------------------ hints
 
 _HINT_CONVERSATIONS = 4096
@@ -672,7 +613,7 @@ class _Hints:
     under the conversation lock, in the round trip that carries the writes. A wrong hint costs time only.
     """
 
-    def __init__(self, cache: _RecordCache) -> None:
+    def __init__(self, cache: RecordCache) -> None:
         self.by_conversation: OrderedDict[str, _Hint] = OrderedDict()
         self.cache = cache
         self.message_chars = 0
@@ -877,7 +818,7 @@ class _PostgresRows:
         self,
         conn: psycopg.AsyncConnection[Any],
         q: _Statements,
-        cache: _RecordCache,
+        cache: RecordCache,
         access: Access,
         wire: _Wire,
         hints: _Hints,
@@ -1195,7 +1136,7 @@ class _PostgresRows:
             run = get(Run, body, lambda r=run_id: f"threadline_runs conversation_id={conversation_id} run_id={r}")
             if run.id != run_id or run.conversation_id != conversation_id:
                 where = f"threadline_runs conversation_id={conversation_id} run_id={run_id}"
-                raise _foreign("Run", where, f"{conversation_id}/{run_id}", f"{run.conversation_id}/{run.id}")
+                raise foreign("Run", where, f"{conversation_id}/{run_id}", f"{run.conversation_id}/{run.id}")
             out.append(run)
         return out
 
@@ -1203,9 +1144,9 @@ class _PostgresRows:
         out = []
         for message_id, body in rows:
             where = f"threadline_messages conversation_id={conversation_id} message_id={message_id}"
-            message = _decode(Message, body, where)
+            message = decode(Message, body, where)
             if message.id != message_id or message.conversation_id != conversation_id:
-                raise _foreign(
+                raise foreign(
                     "Message", where, f"{conversation_id}/{message_id}", f"{message.conversation_id}/{message.id}"
                 )
             out.append(message)
@@ -1217,7 +1158,7 @@ class _PostgresRows:
 
         head = self.cache.get(ConversationHead, body, where)
         if head.conversation_id != conversation_id:
-            raise _foreign("ConversationHead", where(), conversation_id, head.conversation_id)
+            raise foreign("ConversationHead", where(), conversation_id, head.conversation_id)
         return head
 
     def _receipt(self, conversation_id: str, rows: list[tuple[Any, ...]]) -> AdmissionReceipt | None:
@@ -1225,9 +1166,9 @@ class _PostgresRows:
             return None
         key, body = rows[0]
         where = f"threadline_admissions conversation_id={conversation_id} idempotency_key={key}"
-        receipt = _decode(AdmissionReceipt, body, where)
+        receipt = decode(AdmissionReceipt, body, where)
         if receipt.conversation_id != conversation_id or receipt.idempotency_key != key:
-            raise _foreign(
+            raise foreign(
                 "AdmissionReceipt",
                 where,
                 f"{conversation_id}/{key}",
@@ -1280,7 +1221,7 @@ class _PostgresRows:
         where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={key}"
         seed = self.cache.get(SeedRecord, body, lambda: where)
         if seed.conversation_id != r.conversation_id or seed.seed_key != r.seed_key:
-            raise _foreign(
+            raise foreign(
                 "SeedRecord", where, f"{r.conversation_id}/{r.seed_key}", f"{seed.conversation_id}/{seed.seed_key}"
             )
         return seed
@@ -1309,11 +1250,6 @@ class _PostgresRows:
     async def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
         return [self._head(cid, body) for cid, body in await self._rows(r)]
 
-    def _encode(self, record: BaseModel) -> str:
-        body = record.model_dump_json()
-        self.cache.remember(record, body)  # the next read of this row needs no validation
-        return body
-
     async def write(self, r: Write) -> None:
         if not self.writable:
             raise AssertionError("a read operation wrote")
@@ -1324,7 +1260,7 @@ class _PostgresRows:
         self._lock(cid)
         self.written.append(cid)
         self.known.clear()  # rows read ahead predate this write
-        x, encode, pending, wrote = self._x, self._encode, self.pending, self.wrote
+        x, encode, pending, wrote = self._x, self.cache.encode, self.pending, self.wrote
         # one statement per row, so a row written twice in one mutation keeps its last version, as in memory
         body = encode(m.head)
         pending.append(x("upsert_head", cid, m.head.version, body))
@@ -1450,7 +1386,7 @@ class PostgresStoreDriver:
         self.max_attempts = max_attempts
         self.where = _describe(dsn if dsn is not None else (pool.conninfo if pool is not None else ""))
         self._q = _Statements(schema)
-        self._cache = _RecordCache()
+        self._cache = RecordCache(_CACHE_BUDGET)
         self._opened = False
         self._closed = False
         self._open_lock = asyncio.Lock()

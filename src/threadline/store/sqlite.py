@@ -45,18 +45,16 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel
-
 from ..errors import (
     AgentConversationPurgedError,
     AgentRecordValidationError,
     AgentStoreBusyError,
-    AgentStoreCorruptRecordError,
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
+from .codec import RecordCache, foreign
 from .driver import (
     Access,
     HeadState,
@@ -91,7 +89,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 
 SQLITE_SCHEMA_VERSION = 1
 """The version of the ``threadline_*`` table layout this driver reads and writes."""
@@ -109,7 +106,6 @@ _OPEN_BUSY_GRACE = 2.0  # seconds an opening connection waits for another one cr
 _WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the WAL file is truncated back to after a checkpoint
 _CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages are touched)
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
-_CACHE_MAX_ROW = 16 * 1024
 _CHECKPOINT_EVERY = 64
 """Write transactions between two passive WAL checkpoints (run by the checkpointer thread). A transaction
 writes about ten pages, so the WAL stays near SQLite's default of 1000 pages between checkpoints."""
@@ -331,74 +327,6 @@ def _map_error(error: sqlite3.Error, filename: str) -> Exception | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ decoding
-
-
-def _decode(model: type[M], body: object, where: str) -> M:
-    """Read one stored record. A malformed or foreign body is a corrupt record; an unknown
-    ``schema_version`` propagates as :class:`~threadline.errors.AgentRecordSchemaVersionError`."""
-    try:
-        if not isinstance(body, str | bytes):
-            raise TypeError(f"body is {type(body).__name__}, not JSON text")
-        return model.model_validate_json(body)
-    except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-        raise AgentStoreCorruptRecordError(
-            f"cannot read the row as a {model.__name__}: {_first_line(error)}", where=where
-        ) from error
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return " ".join(lines[:3]) if lines else type(error).__name__
-
-
-def _foreign(model: str, where: str, expected: str, found: str) -> AgentStoreCorruptRecordError:
-    return AgentStoreCorruptRecordError(f"the {model} in this row belongs to {found!r}, not {expected!r}", where=where)
-
-
-class _RecordCache:
-    """Decoded records keyed by their exact stored JSON, so a row this connection wrote or read before is
-    not validated again. Decoding is deterministic, and only deeply immutable records are kept (runs,
-    heads, seed records: frozen, with tuples, strings, numbers and datetimes only) — messages and receipts
-    hold JSON containers a caller could mutate, so they are decoded fresh on every read. Bounded by size."""
-
-    def __init__(self, budget: int = _CACHE_BUDGET) -> None:
-        self.budget = budget
-        self.used = 0
-        self.by_model: dict[type[BaseModel], dict[object, BaseModel]] = {
-            Run: {},
-            ConversationHead: {},
-            SeedRecord: {},
-        }
-
-    def get(self, model: type[M], body: object, where: Callable[[], str]) -> M:
-        table = self.by_model.get(model)
-        if table is None:
-            return _decode(model, body, where())
-        record = table.get(body)
-        if record is None:
-            record = _decode(model, body, where())
-            self._put(table, body, record)
-        return record  # type: ignore[return-value]
-
-    def remember(self, record: BaseModel, body: str) -> None:
-        table = self.by_model.get(type(record))
-        if table is not None:
-            self._put(table, body, record)
-
-    def _put(self, table: dict[object, BaseModel], body: object, record: BaseModel) -> None:
-        size = len(body) if isinstance(body, str | bytes) else 0
-        if size > _CACHE_MAX_ROW:
-            return
-        if self.used + size > self.budget:
-            for t in self.by_model.values():
-                t.clear()
-            self.used = 0
-        if body not in table:
-            table[body] = record
-            self.used += size
-
-
 def _clamp(value: int) -> int:
     return _INT64_MAX if value > _INT64_MAX else _INT64_MIN if value < _INT64_MIN else value
 
@@ -444,7 +372,7 @@ class _SqliteRows:
         self.isolate = False
         self.savepoint = False
         self.wrote = False
-        self.cache = _RecordCache()
+        self.cache = RecordCache(_CACHE_BUDGET)
 
     def _begin_write(self, what: str) -> None:
         if not self.writable:
@@ -463,7 +391,7 @@ class _SqliteRows:
             run = get(Run, body, lambda r=run_id: f"threadline_runs conversation_id={conversation_id} run_id={r}")
             if run.id != run_id or run.conversation_id != conversation_id:
                 where = f"threadline_runs conversation_id={conversation_id} run_id={run_id}"
-                raise _foreign("Run", where, f"{conversation_id}/{run_id}", f"{run.conversation_id}/{run.id}")
+                raise foreign("Run", where, f"{conversation_id}/{run_id}", f"{run.conversation_id}/{run.id}")
             out.append(run)
         return out
 
@@ -478,7 +406,7 @@ class _SqliteRows:
             )
             if message.id != message_id or message.conversation_id != conversation_id:
                 where = f"threadline_messages conversation_id={conversation_id} message_id={message_id}"
-                raise _foreign(
+                raise foreign(
                     "Message", where, f"{conversation_id}/{message_id}", f"{message.conversation_id}/{message.id}"
                 )
             out.append(message)
@@ -490,7 +418,7 @@ class _SqliteRows:
 
         head = self.cache.get(ConversationHead, body, where)
         if head.conversation_id != conversation_id:
-            raise _foreign("ConversationHead", where(), conversation_id, head.conversation_id)
+            raise foreign("ConversationHead", where(), conversation_id, head.conversation_id)
         return head
 
     def _receipt(self, conversation_id: str, row: tuple[str, str] | None) -> AdmissionReceipt | None:
@@ -503,7 +431,7 @@ class _SqliteRows:
 
         receipt = self.cache.get(AdmissionReceipt, body, where)
         if receipt.conversation_id != conversation_id or receipt.idempotency_key != key:
-            raise _foreign(
+            raise foreign(
                 "AdmissionReceipt",
                 where(),
                 f"{conversation_id}/{key}",
@@ -569,7 +497,7 @@ class _SqliteRows:
         where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={row[0]}"
         seed = self.cache.get(SeedRecord, row[1], lambda: where)
         if seed.conversation_id != r.conversation_id or seed.seed_key != r.seed_key:
-            raise _foreign(
+            raise foreign(
                 "SeedRecord", where, f"{r.conversation_id}/{r.seed_key}", f"{seed.conversation_id}/{seed.seed_key}"
             )
         return seed
@@ -620,11 +548,6 @@ class _SqliteRows:
             rows = self.conn.execute(_CONVERSATIONS_AFTER, (r.after, r.limit)).fetchall()
         return [self._head(cid, body) for cid, body in rows]
 
-    def _encode(self, record: BaseModel) -> str:
-        body = record.model_dump_json()
-        self.cache.remember(record, body)  # the next read of this row needs no validation
-        return body
-
     def write(self, r: Write) -> None:
         self._begin_write("wrote")
         m = r.mutation
@@ -632,7 +555,7 @@ class _SqliteRows:
             raise AssertionError("every mutation writes the conversation head")
         cid = m.head.conversation_id
         conn = self.conn
-        encode = self._encode
+        encode = self.cache.encode
         try:
             conn.execute(_UPSERT_HEAD, (cid, m.head.version, encode(m.head)))
             if m.runs:

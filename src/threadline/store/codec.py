@@ -1,0 +1,89 @@
+"""Records to stored JSON and back, for the drivers that keep rows as JSON text (SQLite, PostgreSQL).
+
+Decoding validates: a malformed or foreign body is :class:`~threadline.errors.AgentStoreCorruptRecordError`,
+an unknown ``schema_version`` :class:`~threadline.errors.AgentRecordSchemaVersionError`. A
+:class:`RecordCache` skips that validation for a body seen before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from ..errors import AgentStoreCorruptRecordError
+from ..records import ConversationHead, Run, SeedRecord
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_CACHED_ROW = 16 * 1024
+"""Characters: a longer body is decoded at every read rather than kept."""
+
+
+def encode(record: BaseModel) -> str:
+    """The stored JSON of ``record`` (its serializer called directly: ``model_dump_json`` without options)."""
+    return record.__pydantic_serializer__.to_json(record).decode()
+
+
+def decode(model: type[M], body: object, where: str) -> M:
+    """Read one stored record (``where`` names the row in an error)."""
+    try:
+        if not isinstance(body, str | bytes):
+            raise TypeError(f"body is {type(body).__name__}, not JSON text")
+        return model.model_validate_json(body)
+    except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
+        lines = str(error).strip().splitlines()
+        first = " ".join(lines[:3]) if lines else type(error).__name__
+        raise AgentStoreCorruptRecordError(
+            f"cannot read the row as a {model.__name__}: {first}", where=where
+        ) from error
+
+
+def foreign(model: str, where: str, expected: str, found: str) -> AgentStoreCorruptRecordError:
+    """The error for a row whose record names another conversation or id than its key columns."""
+    return AgentStoreCorruptRecordError(f"the {model} in this row belongs to {found!r}, not {expected!r}", where=where)
+
+
+class RecordCache:
+    """Decoded records keyed by their exact stored JSON, so a row read or written before is not validated
+    again. Decoding is deterministic, so the body alone decides the record. Only deeply immutable records
+    are kept (runs, heads, seed records: frozen, holding tuples, strings, numbers and datetimes only);
+    messages and receipts hold JSON containers a caller could mutate, so they are decoded at every read.
+    Bounded: ``budget`` characters of JSON in all, after which it starts again empty."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.by_model: dict[type[BaseModel], dict[str, BaseModel]] = {Run: {}, ConversationHead: {}, SeedRecord: {}}
+
+    def get(self, model: type[M], body: object, where: Callable[[], str]) -> M:
+        table = self.by_model.get(model)
+        if table is None or not isinstance(body, str):
+            return decode(model, body, where())
+        record = table.get(body)
+        if record is None:
+            record = decode(model, body, where())
+            self._put(table, body, record)
+        return record  # type: ignore[return-value]
+
+    def encode(self, record: BaseModel) -> str:
+        """:func:`encode`, remembering the record under its body (the next read of the row needs no
+        validation)."""
+        body = record.__pydantic_serializer__.to_json(record).decode()
+        table = self.by_model.get(type(record))
+        if table is not None:
+            self._put(table, body, record)
+        return body
+
+    def _put(self, table: dict[str, BaseModel], body: str, record: BaseModel) -> None:
+        size = len(body)
+        if size > MAX_CACHED_ROW:
+            return
+        if self.used + size > self.budget:
+            for t in self.by_model.values():
+                t.clear()
+            self.used = 0
+        if body not in table:
+            table[body] = record
+            self.used += size

@@ -476,23 +476,29 @@ class _OwnedRun:
         event is published first, with its original timestamp."""
         result = await self._owned(self.env.store.checkpoint_run_assistant, parts=list(parts), operation=operation)
         self.checkpoints += 1
+        self.published_checkpoint(parts, result.version, preceding, operation)
+
+    def published_checkpoint(
+        self, parts: Sequence[Part], version: int, preceding: RunOperation | None, operation: RunOperation | None
+    ) -> None:
+        """The events of a committed checkpoint: the draft, then the operation phases it recorded."""
         if not self.env.publishing:
             return
         run = self.run
         self.env.publish(
             AssistantCheckpointEvent(
-                event_id=durable_event_id(run.id, "assistant-checkpoint", result.version),
+                event_id=durable_event_id(run.id, "assistant-checkpoint", version),
                 conversation_id=run.conversation_id,
                 run_id=run.id,
-                version=result.version,
+                version=version,
                 message_id=run.assistant_message_id,
                 parts=tuple(parts),
             )
         )
         if preceding is not None:
-            self._published_operation(preceding, result.version)
+            self._published_operation(preceding, version)
         if operation is not None:
-            self._published_operation(operation, result.version)
+            self._published_operation(operation, version)
 
     def _published_operation(self, operation: RunOperation, version: int) -> None:
         if not self.env.publishing:
@@ -529,10 +535,13 @@ class _OwnedRun:
 
 
 class _Execution:
-    def __init__(self, env: LoopEnv, run: Run, control: RunControl) -> None:
+    def __init__(self, env: LoopEnv, run: Run, control: RunControl, admitted: RunOperation | None = None) -> None:
         self.env = env
         self.control = control
         self.owned = _OwnedRun(env, run, control)
+        self.admitted = admitted
+        """The first request's ``started`` phase when the acquisition recorded it (with an empty draft);
+        step 0 then needs no admission commit of its own."""
         self.parts: list[Part] = []
         self.usage = AgentUsage()
         self.claims: dict[str, AbsorbClaim] = {}
@@ -1025,17 +1034,15 @@ class _Execution:
             await self._join_injections(step)
             if env.settings.compaction is not None:
                 await self._compact(step, model)
-            operation = RunOperation(
-                kind="model-request",
-                phase="started",
-                operation_id=uuid.uuid4().hex,
-                step=step,
-                attempt=self.attempt,
-                started_at=_now(),
-            )
-            # one commit: the draft so far (the initial draft, or the previous step's tool results) and the
-            # durable admission of this request; a failed write prevents the provider call
-            await self.owned.checkpoint(list(self.parts), operation)
+            if self.admitted is not None:  # the acquisition committed this request's admission
+                operation, self.admitted = self.admitted, None
+                if self.parts:  # inputs joined or approvals were answered since: the draft holds them
+                    await self.owned.checkpoint(list(self.parts))
+            else:
+                operation = model_request(step, self.attempt)
+                # one commit: the draft so far (the initial draft, or the previous step's tool results) and
+                # the durable admission of this request; a failed write prevents the provider call
+                await self.owned.checkpoint(list(self.parts), operation)
             try:
                 ctx = await self._prepare(step, model, instructions, by_name)
             except _Failure as failure:
@@ -1146,6 +1153,10 @@ class _Execution:
             return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=lost.cause, steps=self.steps)
         if reason in COMPLETED_REASONS and not self.env.protocol.accept_terminal(self.parts, reason, policy_name):
             reason, policy_name = "output_rejected", None
+        if self.admitted is not None:  # the run ended before its admitted request was made: say so
+            phase, detail = ("cancelled", None) if reason in INTERRUPTED_REASONS else ("failed", reason)
+            ended = self.admitted.model_copy(update={"phase": phase, "finished_at": _now(), "detail": detail})
+            self._last_step, self.admitted = (None, ended), None
         return await self._commit(reason, policy_name, cause)
 
     async def _commit(self, reason: str, policy_name: str | None, cause: BaseException | None) -> RunOutcome:
@@ -1205,8 +1216,29 @@ class _Execution:
         raise AssertionError("unreachable")
 
 
-async def execute_run(env: LoopEnv, run: Run, control: RunControl) -> RunOutcome:
+async def execute_run(
+    env: LoopEnv, run: Run, control: RunControl, admitted: tuple[RunOperation, int] | None = None
+) -> RunOutcome:
     """Execute one acquired run to its terminal commit (or to a lost fence). Never raises for a run
     failure: the outcome says how it ended. Cancelling the calling task cancels the provider call and
-    tools but commits nothing; the run stays acquired for recovery to decide."""
-    return await _Execution(env, run, control).execute()
+    tools but commits nothing; the run stays acquired for recovery to decide.
+
+    ``admitted`` is (the first request's ``started`` phase, the version that committed it) when the
+    acquisition recorded it with an empty draft (:func:`model_request`): its events are published here and
+    step 0 writes no admission of its own."""
+    execution = _Execution(env, run, control, admitted[0] if admitted is not None else None)
+    if admitted is not None:
+        execution.owned.published_checkpoint((), admitted[1], None, admitted[0])
+    return await execution.execute()
+
+
+def model_request(step: int, attempt: int = 1) -> RunOperation:
+    """A ``model-request`` operation in its ``started`` phase: what a request's durable admission records."""
+    return RunOperation(
+        kind="model-request",
+        phase="started",
+        operation_id=uuid.uuid4().hex,
+        step=step,
+        attempt=attempt,
+        started_at=_now(),
+    )

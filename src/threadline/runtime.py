@@ -47,7 +47,16 @@ from .events import (
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import AgentPrompt, ComposedAgentPrompt
 from .history.view import ConversationView
-from .loop import AgentRetryPolicy, LoopEnv, LoopSettings, RunControl, StopPolicy, execute_run, with_store_retry
+from .loop import (
+    AgentRetryPolicy,
+    LoopEnv,
+    LoopSettings,
+    RunControl,
+    StopPolicy,
+    execute_run,
+    model_request,
+    with_store_retry,
+)
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import PARTS_ADAPTER, Message, Run
@@ -654,6 +663,9 @@ class AgentRuntime:
     async def execute(self, lane: Lane, run: Run, context: Any) -> bool:
         """Acquire and execute one queued run; settle its waiters. Returns whether the lane may go on."""
         self._ensure_listening()
+        # the first request's admission rides on the acquisition (one commit less per run), unless a
+        # compaction hook may write between the two
+        first = model_request(0) if self.loop_settings.compaction is None else None
         try:
             acquired = await self.retry_store(
                 lambda: self.store.acquire_run(
@@ -662,6 +674,7 @@ class AgentRuntime:
                     expected_revision=run.revision,
                     owner_id=self.owner_id,
                     lease_expires_at=self._lease_expiry(),
+                    operation=first,
                 )
             )
         except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
@@ -713,7 +726,9 @@ class AgentRuntime:
             _options_by_provider=self._options_by_provider,
         )
         try:
-            outcome = await execute_run(env, acquired.run, control)
+            outcome = await execute_run(
+                env, acquired.run, control, (first, acquired.version) if first is not None else None
+            )
         finally:
             lane.control = None
         self._sequences.pop(run.id, None)

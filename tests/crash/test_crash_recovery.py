@@ -63,8 +63,7 @@ POINTS = [
     Point("after:accept:c1:key=k0", "first admission committed, the caller never heard"),
     # acquisition, the request's admission, the first output of k0's run
     Point("before:acquire:c1:run=k0", "admitted, before acquisition"),
-    Point("after:acquire:c1:run=k0", "acquired, nothing executed"),
-    Point("after:checkpoint:c1:run=k0;op=started", "initial draft + model request committed, provider not called"),
+    Point("after:acquire:c1:run=k0", "acquired with the empty draft and the request's admission, no call yet"),
     Point("after:checkpoint:c1:run=k0;parts=text;op=first-output", "first output recorded with the first batch"),
     # mid-stream, with the queued and coalesced successor admitted meanwhile
     Point("stream:c1:1:1", "mid-stream after 1 delta"),

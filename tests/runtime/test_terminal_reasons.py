@@ -158,6 +158,16 @@ async def test_prompt_callback_failure_is_a_runtime_failure(store: Any) -> None:
     result = await run_one(store, script, prompt=prompt)
     assert (result.terminal_reason, result.run.state) == ("runtime_failure", "failed")
     assert script.calls == []
+    # the acquisition admitted the first request; the terminal says it failed before any call
+    operation = result.run.last_operation
+    assert operation is not None
+    assert (operation.kind, operation.step, operation.phase, operation.detail) == (
+        "model-request",
+        0,
+        "failed",
+        "runtime_failure",
+    )
+    assert operation.finished_at is not None
 
 
 async def test_provider_error_is_a_provider_failure(store: Any) -> None:
@@ -209,8 +219,11 @@ async def test_a_refused_owned_mutation_is_a_storage_conflict(store: Any) -> Non
         return await original(**kwargs)
 
     store.checkpoint_run_assistant = refusing
-    result = await run_one(store, Script())
+    # step 0's admission rides on the acquisition; step 1's (after the tool) is a checkpoint, refused here
+    script = script_of(always_calls_a_tool)
+    result = await run_one(store, script, tools=[noop])
     assert (result.terminal_reason, result.run.state) == ("storage_conflict", "failed")
+    assert len(script.calls) == 1, "a refused admission prevents the provider call"
 
 
 async def test_interrupted_superseded_and_shutdown(store: Any) -> None:
@@ -276,15 +289,17 @@ async def test_abandon_closes_an_orphan_with_evidence(store: Any) -> None:
     await runtime.close()
 
 
-async def test_45_deltas_give_three_checkpoints_and_the_terminal(store: Any) -> None:
+async def test_45_deltas_give_two_checkpoints_and_the_terminal(store: Any) -> None:
     async def chatty(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
         for n in range(45):
             yield f"w{n} "
 
     result = await run_one(store, script_of(chatty))
     assert result.terminal_reason == "success"
-    # initial draft, two batches of 20; the last step's end is written by the terminal commit itself
-    assert store.metrics["checkpoint_run_assistant"].calls == 3
+    # the acquisition wrote the initial draft with the request's admission; then two batches of 20; the
+    # last step's end is written by the terminal commit itself
+    assert store.metrics["acquire_run"].calls == 1
+    assert store.metrics["checkpoint_run_assistant"].calls == 2
     assert store.metrics["commit_run_terminal"].calls == 1
     assert result.run.last_operation is not None and result.run.last_operation.phase == "completed"
     assert answer_text(result) == "".join(f"w{n} " for n in range(45))

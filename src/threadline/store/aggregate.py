@@ -169,8 +169,13 @@ class AgentRuntimeStore:
         expected_revision: int,
         owner_id: str,
         lease_expires_at: datetime | None = None,
+        operation: RunOperation | Mapping[str, Any] | None = None,
     ) -> RunResult:
-        """Take ownership of the queued run that is next in execution order; increments the fencing token."""
+        """Take ownership of the queued run that is next in execution order; increments the fencing token.
+
+        With ``operation`` (the first model request's admission) the same commit also writes an empty
+        streaming assistant draft and records the operation as ``last_operation``: the acquisition is the
+        run's first checkpoint too (``result.assistant`` is that draft)."""
         _require_text(owner_id, "owner_id")
         op = functools.partial(
             reducer.acquire_run,
@@ -179,6 +184,7 @@ class AgentRuntimeStore:
             expected_revision=expected_revision,
             owner_id=owner_id,
             lease_expires_at=lease_expires_at,
+            operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             now=self._clock(),
         )
         return await self._run("acquire_run", op, "write")

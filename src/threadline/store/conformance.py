@@ -1923,6 +1923,60 @@ async def case_owned_mutations(store: AgentRuntimeStore) -> None:
     _equal(await c.load(run.id), done.run, "load_run returns the operation the terminal recorded")
 
 
+@_case("acquire_with_admission")
+async def case_acquire_with_admission(store: AgentRuntimeStore) -> None:
+    """An acquisition given the first request's ``operation`` is also the run's first checkpoint, in one
+    commit: the version advances by one, the run records the operation, and an empty streaming draft is
+    written (a requeued run's earlier draft is emptied, keeping its sequence)."""
+    c = _Conv(store, "conv-acquire-admission")
+    queued = (await c.admit("a")).run
+    operation = {
+        "kind": "model-request",
+        "phase": "started",
+        "operation_id": "op-first",
+        "step": 0,
+        "attempt": 1,
+        "started_at": _T0,
+    }
+    version = await c.version()
+    res = await store.acquire_run(
+        conversation_id=c.cid, run_id=queued.id, expected_revision=queued.revision, owner_id="o", operation=operation
+    )
+    _equal(res.version, version + 1, "one commit: acquisition and admission")
+    _equal((res.run.state, res.run.revision), ("running", queued.revision + 1), "the run is acquired")
+    assert res.run.last_operation is not None
+    _equal(res.run.last_operation.model_dump(exclude_none=True), operation, "the acquisition records the operation")
+    assert res.assistant is not None
+    draft = res.assistant
+    _equal(
+        (draft.id, draft.role, draft.status, draft.parts, draft.run_id, draft.version),
+        (queued.assistant_message_id, "assistant", "streaming", (), queued.id, res.version),
+        "the acquisition writes an empty streaming draft",
+    )
+    _equal(await c.load(queued.id), res.run, "load_run returns the acquired run")
+    stored = [m for m in (await c.snapshot()).messages if m.id == draft.id]
+    _equal(stored, [draft], "the snapshot holds the draft as returned")
+    written = await c.checkpoint(res.run, "partial")
+    requeued = await c.requeue(written)
+    again = await store.acquire_run(
+        conversation_id=c.cid,
+        run_id=requeued.id,
+        expected_revision=requeued.revision,
+        owner_id="o2",
+        operation={**operation, "operation_id": "op-again"},
+    )
+    assert again.assistant is not None and again.run.last_operation is not None
+    _equal((again.assistant.parts, again.assistant.seq), ((), draft.seq), "a re-acquisition empties the draft")
+    _equal(again.run.last_operation.operation_id, "op-again", "and records its own operation")
+    plain = (await c.admit("b")).run
+    done = await c.finish(again.run, text="answer")
+    _equal(done.outcome, "committed", "the terminal of the acquired run")
+    res = await store.acquire_run(
+        conversation_id=c.cid, run_id=plain.id, expected_revision=plain.revision, owner_id="o"
+    )
+    _equal((res.assistant, res.run.last_operation), (None, None), "without an operation, no draft and no record")
+
+
 @_case("records_round_trip")
 async def case_records_round_trip(store: AgentRuntimeStore) -> None:
     """What is stored is what is read: every part type, nested metadata, unicode and timestamps survive the

@@ -410,9 +410,13 @@ def acquire_run(
     owner_id: str,
     now: Timestamp,
     lease_expires_at: Timestamp | None = None,
+    operation: RunOperation | None = None,
 ) -> Operation[RunResult]:
     """Take ownership of a queued run: verifies no other run is acquired and that this run is first in
-    execution order, then increments its revision and fencing token."""
+    execution order, then increments its revision and fencing token.
+
+    With ``operation`` (the first model request, ``started``) the same commit also does what the run's
+    first checkpoint would: an empty streaming assistant draft and ``last_operation``."""
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
     active: list[Run] = yield ListActiveRuns(conversation_id)
     ordered = execution_order(active)
@@ -437,6 +441,10 @@ def acquire_run(
         head = _bump(head, now, execution_seq=execution_sequence)
     else:
         head = _bump(head, now)
+    drafts: tuple[Message, ...] = ()
+    if operation is not None:
+        head, draft = yield from _draft(head, run, (), now)
+        drafts = (draft,)
     acquired = _evolve(
         run,
         head.version,
@@ -448,10 +456,36 @@ def acquire_run(
         lease_expires_at=lease_expires_at,
         acquired_at=now,
         updated_at=now,
+        **({"last_operation": operation} if operation is not None else {}),
     )
-    w = _stamp(Mutation(head=head, runs=(acquired,)))
+    w = _stamp(Mutation(head=head, runs=(acquired,), messages=drafts))
     yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version)
+    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0] if drafts else None)
+
+
+def _draft(
+    head: ConversationHead, run: Run, parts: Sequence[Part], now: Timestamp
+) -> Operation[tuple[ConversationHead, Message]]:
+    """The run's streaming assistant draft holding ``parts``, and the head that writes it (bumped; the
+    caller has bumped it already when this is part of a larger change, so only ``message_seq`` moves)."""
+    existing: list[Message] = yield LoadMessages(run.conversation_id, (run.assistant_message_id,))
+    if existing:
+        return head, existing[0].model_copy(
+            update={"parts": tuple(parts), "status": "streaming", "version": head.version}
+        )
+    head = head.model_copy(update={"message_seq": head.message_seq + 1})
+    draft = Message(
+        id=run.assistant_message_id,
+        conversation_id=run.conversation_id,
+        role="assistant",
+        status="streaming",
+        parts=tuple(parts),
+        run_id=run.id,
+        created_at=now,
+        seq=head.message_seq,
+        version=head.version,
+    )
+    return head, draft
 
 
 def checkpoint_run_assistant(
@@ -470,23 +504,7 @@ def checkpoint_run_assistant(
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "checkpoint")
-    existing: list[Message] = yield LoadMessages(conversation_id, (run.assistant_message_id,))
-    if existing:
-        head = _bump(head, now)
-        draft = existing[0].model_copy(update={"parts": tuple(parts), "status": "streaming", "version": head.version})
-    else:
-        head = _bump(head, now, message_seq=head.message_seq + 1)
-        draft = Message(
-            id=run.assistant_message_id,
-            conversation_id=conversation_id,
-            role="assistant",
-            status="streaming",
-            parts=tuple(parts),
-            run_id=run.id,
-            created_at=now,
-            seq=head.message_seq,
-            version=head.version,
-        )
+    head, draft = yield from _draft(_bump(head, now), run, parts, now)
     changes: dict[str, object] = {"last_operation": operation} if operation is not None else {}
     updated = _evolve(run, head.version, revision=run.revision + 1, updated_at=now, **changes)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))

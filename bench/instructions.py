@@ -1,7 +1,7 @@
 """Instructions per turn: ``throughput.py``'s SQLite workload counted by callgrind, not timed.
 
-    .venv/bin/python bench/instructions.py [--conversations 40] [--turns 5] [--gc default|tuned]
-                                           [--keep FILE]
+    .venv/bin/python bench/instructions.py [--system threadline|langgraph] [--conversations 40] [--turns 5]
+                                           [--gc default|tuned] [--keep FILE]
 
 Wall-clock figures on a small shared machine swing by up to 1.5x between runs minutes apart, which hides
 a 5% change. Instructions do not: this script runs ``bench/throughput.py --configs sqlite-1`` under
@@ -17,6 +17,11 @@ cent, whatever else the machine is doing, so two trees can be compared with one 
 minute and a half with the defaults). What it does not see: waiting, cache misses, the GIL handed between
 threads, and the cost of an instruction (``fsync`` is one instruction). With ``--gc default`` a single
 full collection more or less moves the count by about 1% per 200 turns; ``--gc tuned`` takes that out.
+
+``--system langgraph`` counts ``bench/langgraph_throughput.py --savers sqlite`` the same way (its
+``run_batch``), in ``bench/.venv-peers`` (``bench/setup-peers``; skipped with a ``# skipped:`` line when that
+environment is missing): the CPU work of both systems on the same workload, free of the machine's mood.
+(LangGraph's cost per turn grows with the conversation, so compare at the same ``--turns``.)
 
 ``--keep FILE`` keeps callgrind's output (``callgrind_annotate FILE`` shows where the instructions went:
 the interpreter, pydantic-core, SQLite, libc).
@@ -34,14 +39,19 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PEERS = HERE / ".venv-peers" / "bin" / "python"
 
 
-def child(argv: list[str]) -> int:
-    """Inside valgrind: run throughput.py's main with callgrind instrumenting only ``run_batch``."""
+def child(system: str, argv: list[str]) -> int:
+    """Inside valgrind: run the system's throughput script with callgrind instrumenting only its
+    ``run_batch`` (the timed section)."""
     sys.path.insert(0, str(HERE))
-    import throughput
+    if system == "langgraph":
+        import langgraph_throughput as script
+    else:
+        import throughput as script  # type: ignore[no-redef]
 
-    batch = throughput.run_batch
+    batch = script.run_batch
 
     def instrument(state: str) -> None:
         subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
@@ -53,15 +63,16 @@ def child(argv: list[str]) -> int:
         finally:
             instrument("off")
 
-    throughput.run_batch = counted
-    sys.argv = ["throughput.py", *argv]
-    return throughput.main()
+    script.run_batch = counted
+    sys.argv = [script.__file__, *argv]
+    return script.main()
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(sys.argv[2:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", choices=("threadline", "langgraph"), default="threadline")
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--gc", choices=("default", "tuned"), default="tuned")
@@ -71,6 +82,12 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"# skipped: {tool} is not installed (Debian package valgrind)")
             return 0
+    python, workload = sys.executable, ["--configs", "sqlite-1"]
+    if args.system == "langgraph":
+        python, workload = str(PEERS), ["--savers", "sqlite"]
+        if not PEERS.exists():
+            print(f"# skipped: no {PEERS} (run bench/setup-peers)")
+            return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp) / "callgrind.out"
         command = [
@@ -78,11 +95,11 @@ def main() -> int:
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={out}",
-            sys.executable,
+            python,
             __file__,
             "--child",
-            "--configs",
-            "sqlite-1",
+            args.system,
+            *workload,
             "--conversations",
             str(args.conversations),
             "--turns",
@@ -103,8 +120,9 @@ def main() -> int:
     total = int(found.group(1))
     turns = args.conversations * args.turns
     print(
-        f"system=threadline store=sqlite conversations={args.conversations} turns={turns} instructions={total} "
-        f"instructions_per_turn={total // turns} gc={args.gc} model=minimal"
+        f"system={args.system} store=sqlite conversations={args.conversations} turns={turns} instructions={total} "
+        f"instructions_per_turn={total // turns} gc={args.gc}"
+        + (" model=minimal" if args.system == "threadline" else "")
     )
     return 0
 

@@ -98,6 +98,14 @@ def backend_cpu(dsn: str, app: str) -> dict[int, float] | None:
     return out or None
 
 
+async def run_batch(graph: Any, turns: int, per_thread: list[list[int]]) -> None:
+    """The timed section: every conversation's turns, all at once (``bench/instructions.py`` counts it)."""
+    await asyncio.wait_for(
+        asyncio.gather(*(conversation(graph, f"t{i:04d}", turns, t) for i, t in enumerate(per_thread))),
+        TIMEOUT_S,
+    )
+
+
 async def measure(
     saver: Any, store: str, args: Any, server: Callable[[], dict[int, float] | None] | None = None
 ) -> None:
@@ -108,10 +116,7 @@ async def measure(
     server0 = server() if server is not None else None
     busy0, cpu0 = cpu_ticks(), time.process_time()
     start = time.perf_counter_ns()
-    await asyncio.wait_for(
-        asyncio.gather(*(conversation(graph, f"t{i:04d}", args.turns, t) for i, t in enumerate(per_thread))),
-        TIMEOUT_S,
-    )
+    await run_batch(graph, args.turns, per_thread)
     wall_s = (time.perf_counter_ns() - start) / 1e9
     cpu_s = time.process_time() - cpu0
     busy1 = cpu_ticks()

@@ -180,7 +180,9 @@ class _Projector:
         self.last_kind: _Kind | None = None
         self.has_request = False
         self.system: list[str] = []
-        self.decisions: dict[str, AgentProjectionDecision] = {}
+        self.decisions: dict[str, tuple[str, str, list[str] | None, dict[str, Any]]] = {}
+        """Per message: (action, reason, omitted parts, extra fields); built into records only by ``result``
+        (a step's prompt never reads them)."""
         self.call_ids: set[str] | _Overlay = set()
 
     def fork(self) -> _Projector:
@@ -236,15 +238,20 @@ class _Projector:
                 self._assistant(m)
 
     def result(self, order: Sequence[Message]) -> AgentHistoryProjection:
-        ids = [m.id for m in order if m.id in self.decisions]
-        return AgentHistoryProjection(
-            messages=list(self.built), system=list(self.system), decisions=[self.decisions[i] for i in ids]
-        )
+        decisions = []
+        for m in order:
+            decided = self.decisions.get(m.id)
+            if decided is not None:
+                action, reason, omitted, kw = decided
+                decisions.append(
+                    AgentProjectionDecision(
+                        message_id=m.id, action=action, reason=reason, omitted_parts=omitted or [], **kw
+                    )
+                )
+        return AgentHistoryProjection(messages=list(self.built), system=list(self.system), decisions=decisions)
 
     def _decide(self, m: Message, action: str, reason: str, omitted: list[str] | None = None, **kw: Any) -> None:
-        self.decisions[m.id] = AgentProjectionDecision(
-            message_id=m.id, action=action, reason=reason, omitted_parts=omitted or [], **kw
-        )
+        self.decisions[m.id] = (action, reason, omitted, kw)
 
     def _emit(self, kind: _Kind, parts: list[Any]) -> None:
         """Adjacent requests merge; adjacent responses merge (neither holds an unanswered call, since every

@@ -170,6 +170,30 @@ async def test_prompt_callback_failure_is_a_runtime_failure(store: Any) -> None:
     assert operation.finished_at is not None
 
 
+async def test_a_run_interrupted_before_its_first_call_records_that_request_cancelled(store: Any) -> None:
+    script = Script()
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def tools(ctx: Any) -> list[Any]:  # resolved after the acquisition, before the first call
+        entered.set()
+        await gate.wait()
+        return []
+
+    runtime = make_runtime(store, script, tools=tools)
+    ticket = submit(runtime, "k", "hello")
+    run_id = (await ticket.admission).run.id
+    await asyncio.wait_for(entered.wait(), 5)
+    await runtime.interrupt(conversation_id="c1", run_id=run_id)
+    gate.set()
+    result = await asyncio.wait_for(ticket.result, 5)
+    await runtime.close()
+    assert (result.terminal_reason, script.calls) == ("interrupted", [])
+    operation = result.run.last_operation
+    assert operation is not None
+    assert (operation.kind, operation.step, operation.phase) == ("model-request", 0, "cancelled")
+    assert operation.detail is None and operation.finished_at is not None
+
+
 async def test_provider_error_is_a_provider_failure(store: Any) -> None:
     async def failing(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
         yield "partial"

@@ -1,7 +1,8 @@
 """The one step loop: every run, wherever it starts, executes here over pydantic-ai's ``Model.request_stream``.
 
 Per step: take injected inputs at the boundary → load the snapshot this run may see → project it →
-``prepare_step`` → durably record the ``model-request`` operation (a failed write prevents the call) →
+``prepare_step`` → durably record the ``model-request`` operation (a failed write prevents the call; step
+0's is recorded by the acquisition itself unless a compaction hook may write first) →
 stream, publishing deltas and checkpointing every ``checkpoint_every_events`` events and at every
 structural boundary (a completed tool call: at the next part, else by the step's finish) → run the step's
 tool calls behind the fence → stop policies → next step. The

@@ -1661,19 +1661,31 @@ class PostgresStoreDriver:
         if not self.prefetch:
             return out, False
         probe = factory()
+        hints = self._hints
+
+        def step(answer: Any) -> Request | None:
+            """The probe's next request; None when the operation failed on the guessed rows (what it asked
+            before stands). StopIteration when it ended."""
+            try:
+                return probe.send(answer)  # type: ignore[no-any-return]
+            except StopIteration:
+                raise
+            except Exception:
+                return None
+
         try:
-            request = probe.send(None)
+            request = step(None)
             for asked, answer in history:
-                if request != asked:
+                if request is None or request != asked:
                     return out, False
-                request = probe.send(answer)
-            if request != first:
+                request = step(answer)
+            if request is None or request != first:
                 return out, False
-            hints = self._hints
             seen = {first}
             while True:
-                request = probe.send(hints.answer(request))
-                if isinstance(request, Write | Purge):
+                # the hints are this driver's own code: a failure there is a bug, and it propagates
+                request = step(hints.answer(request))
+                if request is None or isinstance(request, Write | Purge):
                     return out, False
                 if request not in seen and request not in known:
                     if len(out) >= _MAX_PREDICTED:
@@ -1682,8 +1694,6 @@ class PostgresStoreDriver:
                     out.append(request)
         except StopIteration:
             return out, True
-        except Exception:  # the probe's guesses led it astray: what it asked before stands
-            return out, False
         finally:
             probe.close()
 

@@ -33,7 +33,7 @@ async def test_the_worker_command_answers_and_stops_on_sigterm(postgres_dsn: str
     ) as worker:
         try:
             line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 60)  # type: ignore[union-attr]
-            assert "serving" in line, line
+            assert "serving" in line and "gc tuned" in line, line
             registry = define_model_registry(models={"m": {"model": FunctionModel(stream_function=never)}})
             async with create_postgres_agent_runtime_store(postgres_dsn, schema=schema) as pg:
                 web = create_agent_runtime(

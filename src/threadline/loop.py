@@ -5,9 +5,9 @@ Per step: take injected inputs at the boundary → load the snapshot this run ma
 0's is recorded by the acquisition itself unless a compaction hook may write first) →
 stream, publishing deltas and checkpointing every ``checkpoint_every_events`` events and at every
 structural boundary (a completed tool call: at the next part, else by the step's finish) → run the step's
-tool calls behind the fence → stop policies → next step. The
-terminal commit is one CAS (it also records the last step's completion: no checkpoint of its own); only
-its winner publishes the delivery ``terminal`` event.
+tool calls behind the fence → stop policies → next step. The terminal commit is one CAS (it also records
+the last step's completion: no checkpoint of its own); only its winner publishes the delivery ``terminal``
+event.
 
 Failures are classified by where they happened, never by message text: the provider stream →
 ``provider_failure``; the application's callbacks → ``runtime_failure``; an owned store mutation refused →

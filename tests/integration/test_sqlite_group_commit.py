@@ -28,7 +28,7 @@ from threadline.errors import (
     AgentStoreBusyError,
     AgentStoreUnavailableError,
 )
-from threadline.records import ConversationHead
+from threadline.records import ConversationHead, Message, TextPart
 from threadline.store import AgentRuntimeStore
 from threadline.store.driver import LoadHead, Mutation, OperationStats, Write
 from threadline.store.sqlite import SqliteStoreDriver, create_sqlite_agent_runtime_store
@@ -108,6 +108,22 @@ def writes_then_hits_the_purge_guard(cid: str, purged: str) -> Generator[Any, An
     yield Write(Mutation(head=head(purged)))
 
 
+def settles_then_raises(cid: str, words: str) -> Generator[Any, Any, None]:
+    """Writes a settled message (the full-text index notes it), then fails: it must leave nothing."""
+    message = Message(
+        id=f"{cid}:ghost",
+        conversation_id=cid,
+        role="user",
+        status="committed",
+        parts=(TextPart(text=words),),
+        created_at=NOW,
+        position=1000,
+        seq=1000,
+    )
+    yield Write(Mutation(head=head(cid, version=1000), messages=(message,)))
+    raise RuntimeError("the operation failed after settling a message")
+
+
 def reads_then_writes(cid: str) -> Generator[Any, Any, None]:
     yield LoadHead(cid)
     yield Write(Mutation(head=head(cid)))
@@ -178,6 +194,37 @@ async def test_a_failing_operation_leaves_no_trace_and_its_batch_commits(db: Pat
         assert len((await again.store.list_active_runs(conversation_id="c1")).runs) == 2
         assert len((await again.store.list_active_runs(conversation_id="c2")).runs) == 1
         assert (await again.store.load_snapshot(conversation_id="ghost")).version == 0
+
+
+async def test_a_search_in_a_batch_sees_what_the_operations_before_it_settled(db: Path) -> None:
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        async with Gate(driver):
+            transactions = driver.transactions
+            writes = queue(
+                store.seed_conversation_input(
+                    conversation_id="c", seed_key="s", inputs=[{"id": "s1", "parts": text("a settled walrus")}]
+                ),
+                driver.run(
+                    lambda: settles_then_raises("c", "a ghostly narwhal"), access="write", stats=OperationStats()
+                ),
+            )
+            for _ in range(2):  # the writes reach the worker's queue (gathered for one loop iteration) first
+                await asyncio.sleep(0)
+            searches = queue(sqlite.search_messages("c", "walrus"), sqlite.search_messages("c", "narwhal"))
+        seeded, raised, found, ghost = await settle(writes + searches)
+        assert driver.transactions - transactions == 1  # all four shared one transaction
+        assert seeded.outcome == "seeded", seeded
+        assert isinstance(raised, RuntimeError)
+        assert [m.id for m in found] == ["s1"]
+        assert ghost == []  # rolled back with its operation's savepoint, index note included
+        assert [m.id for m in await sqlite.search_messages("c", "walrus")] == ["s1"]
+    conn = sqlite3.connect(db)
+    try:  # every note was indexed before COMMIT: none is left behind
+        assert conn.execute("SELECT count(*) FROM threadline_fts_queue").fetchone() == (0,)
+        assert conn.execute("SELECT message_id FROM threadline_message_fts").fetchall() == [("s1",)]
+    finally:
+        conn.close()
 
 
 async def test_a_read_operation_that_writes_still_fails(db: Path) -> None:

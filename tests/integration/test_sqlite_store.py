@@ -32,9 +32,15 @@ from threadline.errors import (
 )
 from threadline.store import AgentRuntimeStore, MemoryStoreDriver, create_agent_runtime_store
 from threadline.store.sqlite import (
+    SQLITE_SCHEMA_VERSION,
     SqliteAgentRuntimeStoreHandle,
     create_sqlite_agent_runtime_store,
 )
+
+VERSION_1 = Path(__file__).resolve().parent.parent / "fixtures" / "sqlite-schema-v1.db"
+"""A database written by threadline 0.1.0 (schema version 1): conversation ``c`` with turns t1 ("the quick
+brown fox jumps") and t2 ("a persistent marmot") and run t3:run acquired with the draft "zebra draft";
+conversation ``other`` with turn o1 ("another fox entirely"); conversation ``gone``, purged."""
 
 OWNER = "owner-1"
 
@@ -260,7 +266,7 @@ async def test_application_tables_and_user_version_untouched(db: Path) -> None:
         foreign = {n for n in names if not n.startswith(("threadline_", "sqlite_autoindex_threadline_"))}
         assert foreign == {"app_items", "app_items_name"}
         meta = conn.execute("SELECT key, value FROM threadline_meta").fetchall()
-        assert meta == [("schema_version", "1")]
+        assert meta == [("schema_version", str(SQLITE_SCHEMA_VERSION))]
     finally:
         conn.close()
 
@@ -268,10 +274,102 @@ async def test_application_tables_and_user_version_untouched(db: Path) -> None:
 async def test_unknown_schema_version_refused(db: Path) -> None:
     async with create_sqlite_agent_runtime_store(filename=db):
         pass
-    execute(db, "UPDATE threadline_meta SET value = '2' WHERE key = 'schema_version'")
+    later = str(SQLITE_SCHEMA_VERSION + 1)
+    execute(db, f"UPDATE threadline_meta SET value = '{later}' WHERE key = 'schema_version'")
     with pytest.raises(AgentStoreSchemaError) as caught:
         create_sqlite_agent_runtime_store(filename=db)
-    assert "'2'" in str(caught.value) and "schema version 1" in str(caught.value)
+    assert f"'{later}'" in str(caught.value) and f"schema versions 1 to {SQLITE_SCHEMA_VERSION}" in str(caught.value)
+    execute(db, "UPDATE threadline_meta SET value = 'two' WHERE key = 'schema_version'")
+    with pytest.raises(AgentStoreSchemaError, match="'two' is not supported"):
+        create_sqlite_agent_runtime_store(filename=db)
+
+
+def schema_objects(path: Path) -> dict[str, str]:
+    conn = raw(path)
+    try:
+        return dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE name GLOB 'threadline_*'").fetchall())
+    finally:
+        conn.close()
+
+
+async def test_a_version_1_file_is_migrated_forward_and_keeps_everything(db: Path) -> None:
+    db.write_bytes(VERSION_1.read_bytes())
+    before = schema_objects(db)
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store = sqlite.store
+        # the rows and the full-text index written by version 1 are all still there
+        assert [h.conversation_id for h in (await sqlite.conversations.list()).items] == ["c", "other"]
+        assert [m.id for m in (await sqlite.conversations.messages("c")).items] == [
+            "t1:in",
+            "t1:out",
+            "t2:in",
+            "t2:out",
+            "t3:in",
+            "t3:out",
+        ]
+        assert [m.id for m in await sqlite.search_messages("c", "fox")] == ["t1:out"]
+        assert [m.id for m in await sqlite.search_messages("other", "fox")] == ["o1:out"]
+        assert await sqlite.search_messages("gone", "fox") == []
+        assert await sqlite.search_messages("c", "zebra") == []  # the in-flight draft: not settled
+        # the run that was in flight finishes under the new schema and is indexed as it settles
+        run = (await store.load_run(conversation_id="c", run_id="t3:run")).run  # type: ignore[union-attr]
+        await store.commit_run_terminal(
+            conversation_id="c",
+            run_id=run.id,
+            expected_revision=run.revision,
+            owner_id=OWNER,
+            fencing_token=run.fencing_token,
+            terminal_reason="success",
+            parts=text("zebra answer"),
+        )
+        assert {m.id for m in await sqlite.search_messages("c", "zebra")} == {"t3:in", "t3:out"}
+        await turn(store, "other", "o2", answer="a second fox")
+        assert {m.id for m in await sqlite.search_messages("other", "fox")} == {"o1:out", "o2:out"}
+        assert (await store.purge_conversation(conversation_id="c")).outcome == "purged"
+        assert await sqlite.search_messages("c", "fox") == []
+    after = schema_objects(db)
+    conn = raw(db)
+    try:
+        assert conn.execute("SELECT value FROM threadline_meta").fetchall() == [(str(SQLITE_SCHEMA_VERSION),)]
+        assert conn.execute("SELECT count(*) FROM threadline_fts_queue").fetchone() == (0,)
+        indexed = conn.execute("SELECT message_id FROM threadline_message_fts ORDER BY message_id").fetchall()
+        assert indexed == [("o1:in",), ("o1:out",), ("o2:in",), ("o2:out",)]
+    finally:
+        conn.close()
+    assert set(after) - set(before) == {"threadline_fts_queue"}
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {f"threadline_messages_fts_{t}" for t in ("insert", "update", "delete")}
+    async with create_sqlite_agent_runtime_store(filename=db):  # reopening migrates nothing more
+        pass
+    assert schema_objects(db) == after
+
+
+async def test_a_version_1_file_missing_an_object_is_refused_and_left_as_it_was(db: Path) -> None:
+    db.write_bytes(VERSION_1.read_bytes())
+    execute(db, "DROP TRIGGER threadline_messages_fts_update")
+    before = schema_objects(db)
+    with pytest.raises(AgentStoreSchemaError, match="cannot migrate threadline schema version 1 to"):
+        create_sqlite_agent_runtime_store(filename=db)
+    assert schema_objects(db) == before
+    conn = raw(db)
+    try:
+        assert conn.execute("SELECT value FROM threadline_meta").fetchall() == [("1",)]
+    finally:
+        conn.close()
+
+
+async def test_handles_opened_at_once_on_a_version_1_file_migrate_it_once(db: Path) -> None:
+    db.write_bytes(VERSION_1.read_bytes())
+    handles = await asyncio.gather(
+        *(asyncio.to_thread(create_sqlite_agent_runtime_store, filename=db) for _ in range(4))
+    )
+    try:
+        for sqlite in handles:
+            assert [m.id for m in await sqlite.search_messages("c", "marmot")] == ["t2:out"]
+    finally:
+        for sqlite in handles:
+            await sqlite.close()
+    assert "threadline_fts_queue" in schema_objects(db)
 
 
 @pytest.mark.parametrize("dropped", ["threadline_runs", "threadline_message_fts", "threadline_messages_settled"])

@@ -90,8 +90,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-SQLITE_SCHEMA_VERSION = 1
-"""The version of the ``threadline_*`` table layout this driver reads and writes."""
+SQLITE_SCHEMA_VERSION = 2
+"""The version of the ``threadline_*`` table layout this driver reads and writes. Opening a file of an
+earlier version migrates it forward in one transaction (``_MIGRATIONS``); a later version is refused."""
 
 MAX_SEARCH_LIMIT = 1000
 
@@ -153,6 +154,7 @@ _TABLES: dict[str, str] = {
         "conversation_id TEXT NOT NULL, seed_key TEXT NOT NULL, body TEXT NOT NULL, "
         "PRIMARY KEY (conversation_id, seed_key))"
     ),
+    "threadline_fts_queue": ("CREATE TABLE threadline_fts_queue (row_id INTEGER PRIMARY KEY, stale INTEGER NOT NULL)"),
     "threadline_message_fts": (
         "CREATE VIRTUAL TABLE threadline_message_fts USING fts5(text, conversation_id UNINDEXED, message_id UNINDEXED)"
     ),
@@ -187,32 +189,48 @@ _TRIGGERS: dict[str, str] = {
         )
         for table in _GUARDED
     },
-    # The full-text index follows settled messages. An unsettled draft (checkpoints) costs nothing here;
-    # compaction flips ``active`` without touching the text, so it does not reindex either.
+    # The full-text index follows settled messages, through a queue: a trigger only notes the row, and the
+    # driver indexes every noted row in one statement just before COMMIT (``_FTS_FLUSH``). Written row by
+    # row, FTS5 flushes its pending terms into a new segment at every later statement of the transaction
+    # (each opens a statement savepoint), which cost a segment and merge work per settled message. An
+    # unsettled draft (checkpoints) is never noted; compaction flips ``active`` without touching the text,
+    # so it is not either. ``stale``: the row may have an index entry to remove first.
     "threadline_messages_fts_insert": (
         "CREATE TRIGGER threadline_messages_fts_insert AFTER INSERT ON threadline_messages "
         "WHEN NEW.position IS NOT NULL BEGIN "
-        "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
-        f"VALUES (NEW.row_id, {_TEXT_OF.format(body='NEW.body')}, NEW.conversation_id, NEW.message_id); END"
+        "INSERT OR IGNORE INTO threadline_fts_queue (row_id, stale) VALUES (NEW.row_id, 0); END"
     ),
     "threadline_messages_fts_update": (
         "CREATE TRIGGER threadline_messages_fts_update AFTER UPDATE OF body ON threadline_messages "
         "WHEN (OLD.position IS NOT NULL OR NEW.position IS NOT NULL) AND (OLD.position IS NULL "
         "OR NEW.position IS NULL OR json_extract(OLD.body, '$.parts') IS NOT json_extract(NEW.body, '$.parts')) "
         "BEGIN "
-        "DELETE FROM threadline_message_fts WHERE OLD.position IS NOT NULL AND rowid = OLD.row_id; "
-        "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
-        f"SELECT NEW.row_id, {_TEXT_OF.format(body='NEW.body')}, NEW.conversation_id, NEW.message_id "
-        "WHERE NEW.position IS NOT NULL; END"
+        "INSERT OR REPLACE INTO threadline_fts_queue (row_id, stale) VALUES (NEW.row_id, OLD.position IS NOT NULL "
+        "OR EXISTS (SELECT 1 FROM threadline_fts_queue WHERE row_id = NEW.row_id AND stale)); END"
     ),
     "threadline_messages_fts_delete": (
         "CREATE TRIGGER threadline_messages_fts_delete AFTER DELETE ON threadline_messages "
         "WHEN OLD.position IS NOT NULL BEGIN "
-        "DELETE FROM threadline_message_fts WHERE rowid = OLD.row_id; END"
+        "INSERT OR REPLACE INTO threadline_fts_queue (row_id, stale) VALUES (OLD.row_id, 1); END"
     ),
 }
 
 _REQUIRED: dict[str, str] = {**_TABLES, **_INDEXES, **_TRIGGERS}
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 1 -> 2: the full-text triggers note rows in threadline_fts_queue instead of indexing them one by one
+    # (the index itself is unchanged)
+    1: (
+        "DROP TRIGGER threadline_messages_fts_insert",
+        "DROP TRIGGER threadline_messages_fts_update",
+        "DROP TRIGGER threadline_messages_fts_delete",
+        _TABLES["threadline_fts_queue"],
+        _TRIGGERS["threadline_messages_fts_insert"],
+        _TRIGGERS["threadline_messages_fts_update"],
+        _TRIGGERS["threadline_messages_fts_delete"],
+    ),
+}
+"""The statements that bring schema version ``n`` to ``n + 1``."""
 
 # ------------------------------------------------------------------------------------------- statements
 
@@ -286,6 +304,15 @@ _PURGE = (
     "DELETE FROM threadline_conversations WHERE conversation_id = ?",
 )
 _INSERT_TOMBSTONE = "INSERT INTO threadline_tombstones (conversation_id, purged_at) VALUES (?, ?)"
+_FTS_FLUSH = (
+    "DELETE FROM threadline_message_fts WHERE rowid IN (SELECT row_id FROM threadline_fts_queue WHERE stale)",
+    "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
+    f"SELECT m.row_id, {_TEXT_OF.format(body='m.body')}, m.conversation_id, m.message_id "
+    "FROM threadline_fts_queue AS q JOIN threadline_messages AS m ON m.row_id = q.row_id "
+    "WHERE m.position IS NOT NULL",
+    "DELETE FROM threadline_fts_queue",
+)
+"""Index the rows the triggers noted, in three statements whatever their number (see ``_TRIGGERS``)."""
 _SEARCH = (
     "SELECT m.message_id, m.body FROM threadline_message_fts AS f "
     "JOIN threadline_messages AS m ON m.row_id = f.rowid "
@@ -372,6 +399,7 @@ class _SqliteRows:
         self.isolate = False
         self.savepoint = False
         self.wrote = False
+        self.fts_pending = False  # a write may have noted rows for the full-text index (flush_fts)
         self.cache = RecordCache(_CACHE_BUDGET)
 
     def _begin_write(self, what: str) -> None:
@@ -381,6 +409,14 @@ class _SqliteRows:
             self.conn.execute(_SAVEPOINT)
             self.savepoint = True
         self.wrote = True
+
+    def flush_fts(self) -> None:
+        """Index the rows noted since the last flush: before ``COMMIT``, and before a search in the same
+        transaction (so it sees what the operations before it settled)."""
+        if self.fts_pending:
+            for sql in _FTS_FLUSH:
+                self.conn.execute(sql)
+            self.fts_pending = False
 
     # ------------------------------------------------------------------ decoding rows of one table
 
@@ -567,6 +603,7 @@ class _SqliteRows:
                 else:
                     conn.executemany(_UPSERT_RUN, runs)
             if m.messages:
+                self.fts_pending = True
                 messages = [
                     (
                         msg.conversation_id,
@@ -600,6 +637,7 @@ class _SqliteRows:
 
     def purge(self, r: Purge) -> None:
         self._begin_write("purged")
+        self.fts_pending = True
         cid = (r.conversation_id,)
         for sql in _PURGE:
             self.conn.execute(sql, cid)
@@ -886,6 +924,7 @@ class SqliteStoreDriver:
             return reads
         self.transactions += 1
         rows.isolate = len(todo) > 1
+        rows.fts_pending = False
         dirty = False  # an operation that succeeded here wrote: the answers after it saw uncommitted rows
         pending: list[tuple[Any, ...]] = []  # answers that stand only if this transaction commits
         rest: list[tuple[Any, ...]] = []
@@ -918,6 +957,7 @@ class SqliteStoreDriver:
             self._rollback(conn)  # a lone operation has no savepoint: its failure rolls back everything
         else:
             try:
+                rows.flush_fts()
                 conn.execute("COMMIT")
             except BaseException as error:
                 self._rollback(conn)
@@ -979,29 +1019,33 @@ class SqliteStoreDriver:
             )
         try:
             conn.execute("BEGIN")
-            present = self._inspect(conn)
+            version = self._inspect(conn)
             conn.execute("COMMIT")
-            if present:
+            if version == SQLITE_SCHEMA_VERSION:
                 return
             conn.execute("BEGIN IMMEDIATE")
-            if not self._inspect(conn):  # still empty under the write lock: create everything at once
+            version = self._inspect(conn)  # again under the write lock: another connection may have been first
+            if version == 0:  # no threadline object: create everything at once
                 for sql in _REQUIRED.values():
                     conn.execute(sql)
                 conn.execute(
                     "INSERT INTO threadline_meta (key, value) VALUES ('schema_version', ?)",
                     (str(SQLITE_SCHEMA_VERSION),),
                 )
+            elif version < SQLITE_SCHEMA_VERSION:
+                self._migrate(conn, version)
             conn.execute("COMMIT")
         except BaseException:
             self._rollback(conn)
             raise
 
-    def _inspect(self, conn: sqlite3.Connection) -> bool:
-        """True when a complete schema of this version exists, False when no threadline object exists;
-        otherwise :class:`AgentStoreSchemaError`."""
+    def _inspect(self, conn: sqlite3.Connection) -> int:
+        """The schema version present (0: no threadline object exists). A partial schema, or a version this
+        driver does not know, is :class:`AgentStoreSchemaError`; an earlier version is checked by its
+        migration."""
         names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE name GLOB 'threadline_*'")}
         if not names:
-            return False
+            return 0
         if "threadline_meta" not in names:
             raise AgentStoreSchemaError(f"{self.filename}: partial threadline schema: missing threadline_meta")
         row = conn.execute("SELECT value FROM threadline_meta WHERE key = 'schema_version'").fetchone()
@@ -1009,15 +1053,33 @@ class SqliteStoreDriver:
             raise AgentStoreSchemaError(
                 f"{self.filename}: partial threadline schema: missing threadline_meta schema_version"
             )
-        if row[0] != str(SQLITE_SCHEMA_VERSION):
+        version = int(row[0]) if str(row[0]).isdigit() else -1
+        if not 1 <= version <= SQLITE_SCHEMA_VERSION:
             raise AgentStoreSchemaError(
                 f"{self.filename}: threadline schema version {row[0]!r} is not supported; this threadline supports "
-                f"schema version {SQLITE_SCHEMA_VERSION}. Use the threadline release that wrote this database."
+                f"schema versions 1 to {SQLITE_SCHEMA_VERSION} (earlier ones are migrated forward). Use the "
+                "threadline release that wrote this database."
             )
-        missing = [name for name in _REQUIRED if name not in names]
-        if missing:
-            raise AgentStoreSchemaError(f"{self.filename}: partial threadline schema: missing {', '.join(missing)}")
-        return True
+        if version == SQLITE_SCHEMA_VERSION:
+            missing = [name for name in _REQUIRED if name not in names]
+            if missing:
+                raise AgentStoreSchemaError(f"{self.filename}: partial threadline schema: missing {', '.join(missing)}")
+        return version
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
+        """Bring a schema of ``version`` forward to this driver's, inside the caller's write transaction
+        (all of it commits, or none)."""
+        try:
+            for step in range(version, SQLITE_SCHEMA_VERSION):
+                for sql in _MIGRATIONS[step]:
+                    conn.execute(sql)
+        except sqlite3.OperationalError as error:  # an object the earlier version had is missing
+            raise AgentStoreSchemaError(
+                f"{self.filename}: cannot migrate threadline schema version {version} to "
+                f"{SQLITE_SCHEMA_VERSION}: {error}; the database was left as it was"
+            ) from error
+        conn.execute("UPDATE threadline_meta SET value = ? WHERE key = 'schema_version'", (str(SQLITE_SCHEMA_VERSION),))
+        self._inspect(conn)  # complete at the new version, or refused (and rolled back)
 
     def _transaction(self, operation: Operation[T], access: Access, stats: OperationStats) -> T:
         """Run one operation inside the batch's open transaction (``bench/`` wraps this hook to time it).
@@ -1051,6 +1113,7 @@ class SqliteStoreDriver:
 
     def _search(self, conversation_id: str, query: str, limit: int) -> list[Message]:
         try:
+            self._rows.flush_fts()
             return self._rows.search(conversation_id, query, limit)
         except sqlite3.Error as error:
             if isinstance(error, sqlite3.OperationalError) and getattr(error, "sqlite_errorcode", None) == 1:

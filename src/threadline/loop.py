@@ -94,8 +94,9 @@ from .records import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    evolve,
 )
-from .store.aggregate import AgentRuntimeStore
+from .store.aggregate import AgentRuntimeStore, new_id
 from .store.reducer import AbsorbClaim
 from .tools import (
     AgentTool,
@@ -663,7 +664,7 @@ class _Execution:
                     call_id = f"{p.call_id}~{n}"
                 taken.add(call_id)
                 if call_id != p.call_id:
-                    p = p.model_copy(update={"call_id": call_id})
+                    p = evolve(p, {"call_id": call_id})
             out.append(p)
         return out
 
@@ -756,9 +757,7 @@ class _Execution:
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""
         with contextlib.suppress(_Failure, _FenceLost):
-            await self.owned.record(
-                operation.model_copy(update={"phase": phase, "finished_at": _now(), "detail": detail})
-            )
+            await self.owned.record(evolve(operation, {"phase": phase, "finished_at": _now(), "detail": detail}))
 
     def _on_event(
         self, event: PartStartEvent | PartDeltaEvent, operation: RunOperation, state: dict[str, Any], provider: str
@@ -789,7 +788,7 @@ class _Execution:
             self._transient(ReasoningDeltaEvent, delta=reasoning)
         if (text or reasoning or output) and not state["first"]:
             state["first"] = True
-            state["first_pending"] = operation.model_copy(update={"phase": "first-output", "first_output_at": _now()})
+            state["first_pending"] = evolve(operation, {"phase": "first-output", "first_output_at": _now()})
 
     def _reasoning_end(self, part: PaiThinkingPart, provider: str) -> None:
         data = {"id": part.id, "signature": part.signature, "provider_details": part.provider_details}
@@ -961,7 +960,7 @@ class _Execution:
         """Let the configured compaction hook look at the context before this step; its invocation is a
         durable ``compaction`` operation (``started``, then ``completed`` or ``failed``)."""
         operation = RunOperation(
-            kind="compaction", phase="started", operation_id=uuid.uuid4().hex, step=step, started_at=_now()
+            kind="compaction", phase="started", operation_id=new_id(), step=step, started_at=_now()
         )
         await self.owned.record(operation)
         request = AgentCompactionRequest(
@@ -977,7 +976,7 @@ class _Execution:
         except _Failure as failure:
             await self._finish_operation(operation, "failed", failure.reason)
             raise
-        await self.owned.record(operation.model_copy(update={"phase": "completed", "finished_at": _now()}))
+        await self.owned.record(evolve(operation, {"phase": "completed", "finished_at": _now()}))
 
     async def _retry(self, failure: _Failure, step: int, attempt_start: list[Part]) -> bool:
         """Decide and prepare a retry of a failed provider stream at the step boundary. Only an attempt
@@ -997,7 +996,7 @@ class _Execution:
         scheduled = RunOperation(
             kind="retry",
             phase="scheduled",
-            operation_id=uuid.uuid4().hex,
+            operation_id=new_id(),
             step=step,
             attempt=self.attempt,
             started_at=_now(),
@@ -1011,7 +1010,7 @@ class _Execution:
         self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
         await self.owned.checkpoint(list(self.parts), scheduled)
         await self._abortable(asyncio.sleep(delay))
-        await self.owned.record(scheduled.model_copy(update={"phase": "started", "started_at": _now()}))
+        await self.owned.record(evolve(scheduled, {"phase": "started", "started_at": _now()}))
         return True
 
     async def _steps(self) -> tuple[str, str | None]:
@@ -1066,9 +1065,7 @@ class _Execution:
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
             first_at = first.first_output_at if first is not None else None
-            completed = operation.model_copy(
-                update={"phase": "completed", "finished_at": _now(), "first_output_at": first_at}
-            )
+            completed = evolve(operation, {"phase": "completed", "finished_at": _now(), "first_output_at": first_at})
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:  # the last step: its finish is written by the terminal commit, right after
                 self._last_step = (first, completed)
@@ -1156,7 +1153,7 @@ class _Execution:
             reason, policy_name = "output_rejected", None
         if self.admitted is not None:  # the run ended before its admitted request was made: say so
             phase, detail = ("cancelled", None) if reason in INTERRUPTED_REASONS else ("failed", reason)
-            ended = self.admitted.model_copy(update={"phase": phase, "finished_at": _now(), "detail": detail})
+            ended = evolve(self.admitted, {"phase": phase, "finished_at": _now(), "detail": detail})
             self._last_step, self.admitted = (None, ended), None
         return await self._commit(reason, policy_name, cause)
 
@@ -1238,7 +1235,7 @@ def model_request(step: int, attempt: int = 1) -> RunOperation:
     return RunOperation(
         kind="model-request",
         phase="started",
-        operation_id=uuid.uuid4().hex,
+        operation_id=new_id(),
         step=step,
         attempt=attempt,
         started_at=_now(),

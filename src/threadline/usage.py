@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_ai.usage import RequestUsage
 
+from .records import evolve
+
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelResponse
 
@@ -148,7 +150,7 @@ class AgentUsage(BaseModel):
         cost = _reported_cost(response)
         if cost is None and tokens.complete:
             cost = _estimated_cost(response)
-        return tokens.model_copy(update={"cost": cost}) if cost is not None else tokens
+        return evolve(tokens, {"cost": cost}) if cost is not None else tokens
 
     # ---------------------------------------------------------------------------------------- addition
 

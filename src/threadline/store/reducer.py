@@ -45,6 +45,7 @@ from ..records import (
     SeedRecord,
     Timestamp,
     assistant_status_for,
+    evolve,
     run_invariant_problem,
 )
 from .driver import (
@@ -111,7 +112,7 @@ class AbsorbClaim:
 
 def _evolve(record: Run, version: int, **changes: object) -> Run:
     """``record`` with ``changes``, stamped with the head ``version`` its mutation produces (one copy)."""
-    run = record.model_copy(update={**changes, "version": version})
+    run = evolve(record, {**changes, "version": version})
     problem = run_invariant_problem(run)
     if problem:  # a reducer bug, never user input: fail loudly before anything is written
         raise AssertionError(f"reducer produced an inconsistent run {run.id}: {problem}")
@@ -119,7 +120,7 @@ def _evolve(record: Run, version: int, **changes: object) -> Run:
 
 
 def _bump(head: ConversationHead, now: Timestamp, **changes: int) -> ConversationHead:
-    return head.model_copy(update={"version": head.version + 1, "updated_at": now, **changes})
+    return evolve(head, {"version": head.version + 1, "updated_at": now, **changes})
 
 
 def _stamp(mutation: Mutation) -> Mutation:
@@ -131,8 +132,8 @@ def _stamp(mutation: Mutation) -> Mutation:
         return mutation
     return Mutation(
         head=mutation.head,
-        runs=tuple(r if r.version == v else r.model_copy(update={"version": v}) for r in mutation.runs),
-        messages=tuple(m if m.version == v else m.model_copy(update={"version": v}) for m in mutation.messages),
+        runs=tuple(r if r.version == v else evolve(r, {"version": v}) for r in mutation.runs),
+        messages=tuple(m if m.version == v else evolve(m, {"version": v}) for m in mutation.messages),
         receipts=mutation.receipts,
         seeds=mutation.seeds,
     )
@@ -263,10 +264,10 @@ def _settle(position: int, messages: Sequence[Message], version: int) -> tuple[i
     settled = []
     for m in messages:
         if m.position is not None:
-            settled.append(m if m.version == version else m.model_copy(update={"version": version}))
+            settled.append(m if m.version == version else evolve(m, {"version": version}))
             continue
         position += 1
-        settled.append(m.model_copy(update={"position": position, "version": version}))
+        settled.append(evolve(m, {"position": position, "version": version}))
     return position, settled
 
 
@@ -358,8 +359,8 @@ def accept_input_and_assign_run(
         version=head.version,
         created_at=now,
     )
-    message = message.model_copy(update={"version": head.version})
-    new_receipt = new_receipt.model_copy(update={"input": message})
+    message = evolve(message, {"version": head.version})
+    new_receipt = evolve(new_receipt, {"input": message})
     w = _stamp(Mutation(head=head, runs=(run,), messages=(message,), receipts=(new_receipt,)))
     yield Write(w)
     return AcceptResult(
@@ -470,10 +471,8 @@ def _draft(
     caller has bumped it already when this is part of a larger change, so only ``message_seq`` moves)."""
     existing: list[Message] = yield LoadMessages(run.conversation_id, (run.assistant_message_id,))
     if existing:
-        return head, existing[0].model_copy(
-            update={"parts": tuple(parts), "status": "streaming", "version": head.version}
-        )
-    head = head.model_copy(update={"message_seq": head.message_seq + 1})
+        return head, evolve(existing[0], {"parts": tuple(parts), "status": "streaming", "version": head.version})
+    head = evolve(head, {"message_seq": head.message_seq + 1})
     draft = Message(
         id=run.assistant_message_id,
         conversation_id=run.conversation_id,
@@ -668,7 +667,7 @@ def commit_run_terminal(
             seq=seq,
         )
     else:
-        assistant = assistant.model_copy(update={"status": status, "parts": final_parts})
+        assistant = evolve(assistant, {"status": status, "parts": final_parts})
     inputs = [found[mid] for mid in (*run.input_message_ids, *absorbed_inputs) if mid in found]
     position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
     head = _bump(head, now, message_seq=seq, settled_position=position)
@@ -768,7 +767,7 @@ def recover_run(
             seq=seq,
         )
     else:
-        assistant = assistant.model_copy(update={"status": "failed"})
+        assistant = evolve(assistant, {"status": "failed"})
     inputs = [found[mid] for mid in run.input_message_ids if mid in found]
     position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
     head = _bump(head, now, message_seq=seq, settled_position=position)
@@ -840,7 +839,7 @@ def replace_compacted_range(
     seq = head.message_seq + 1
     head = _bump(head, now, message_seq=seq)
     written = _message(summary, conversation_id, status="committed", seq=seq, now=now, position=hi)
-    inactive = tuple(m.model_copy(update={"active": False, "compacted_by": written.id}) for m in replaced)
+    inactive = tuple(evolve(m, {"active": False, "compacted_by": written.id}) for m in replaced)
     w = _stamp(Mutation(head=head, messages=(*inactive, written)))
     yield Write(w)
     return CompactionResult(outcome="applied", version=head.version, summary=w.messages[-1], replaced_message_ids=ids)

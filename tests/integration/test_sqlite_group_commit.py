@@ -95,10 +95,10 @@ def head(cid: str, version: int = 1) -> ConversationHead:
     return ConversationHead(conversation_id=cid, version=version, created_at=NOW, updated_at=NOW)
 
 
-def writes_then_raises(cid: str) -> Generator[Any, Any, None]:
+def writes_then_raises(cid: str, version: int = 1) -> Generator[Any, Any, None]:
     """An operation that writes a head, then fails: it must leave nothing."""
     yield LoadHead(cid)
-    yield Write(Mutation(head=head(cid)))
+    yield Write(Mutation(head=head(cid, version)))
     raise RuntimeError("the operation failed after writing")
 
 
@@ -225,6 +225,48 @@ async def test_a_search_in_a_batch_sees_what_the_operations_before_it_settled(db
         assert conn.execute("SELECT message_id FROM threadline_message_fts").fetchall() == [("s1",)]
     finally:
         conn.close()
+
+
+async def test_rows_a_failed_operation_wrote_are_not_remembered(db: Path) -> None:
+    """The driver remembers the rows it wrote (the next operation mostly reads them); a failed operation's
+    rows are rolled back, and so forgotten, whether it ran alone or shared its transaction."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        assert (await accept(store, "c", "k1")).version == 1
+        with pytest.raises(RuntimeError):
+            await driver.run(lambda: writes_then_raises("c", version=50), access="write", stats=OperationStats())
+        assert (await accept(store, "c", "k2")).version == 2
+        async with Gate(driver):
+            tasks = queue(
+                driver.run(lambda: writes_then_raises("c", version=60), access="write", stats=OperationStats()),
+                accept(store, "c", "k3"),
+            )
+        raised, third = await settle(tasks)
+        assert isinstance(raised, RuntimeError)
+        assert third.version == 3
+        assert [r.input_message_ids for r in (await store.list_active_runs(conversation_id="c")).runs] == [
+            ("c:k1",),
+            ("c:k2",),
+            ("c:k3",),
+        ]
+
+
+async def test_what_another_connection_commits_is_seen_by_the_next_operation(db: Path) -> None:
+    """Two handles on one file (two processes, say) taking turns on one conversation: neither writes over
+    the other's rows with what it remembered writing itself."""
+    async with (
+        create_sqlite_agent_runtime_store(filename=db) as one,
+        create_sqlite_agent_runtime_store(filename=db) as two,
+    ):
+        versions = []
+        for k in range(6):
+            store = (one, two)[k % 2].store
+            versions.append((await accept(store, "c", f"k{k}")).version)
+        assert versions == [1, 2, 3, 4, 5, 6]
+        for handle in (one, two):
+            snapshot = await handle.store.load_snapshot(conversation_id="c")
+            assert snapshot.version == 6
+            assert len((await handle.store.list_active_runs(conversation_id="c")).runs) == 6
 
 
 async def test_a_read_operation_that_writes_still_fails(db: Path) -> None:

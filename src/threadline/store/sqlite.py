@@ -107,6 +107,7 @@ _OPEN_BUSY_GRACE = 2.0  # seconds an opening connection waits for another one cr
 _WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the WAL file is truncated back to after a checkpoint
 _CACHE_KIB = 32 * 1024  # SQLite page cache per connection (grows only as pages are touched)
 _CACHE_BUDGET = 2 * 1024 * 1024  # characters of JSON kept decoded per connection
+_KNOWN_ROWS = 20_000  # rows a connection remembers having written (_SqliteRows.known)
 _CHECKPOINT_EVERY = 64
 """Write transactions between two passive WAL checkpoints (run by the checkpointer thread). A transaction
 writes about ten pages, so the WAL stays near SQLite's default of 1000 pages between checkpoints."""
@@ -391,10 +392,20 @@ class _SqliteRows:
     is set while the operation shares its transaction with others: its first write then opens
     ``SAVEPOINT threadline_op`` (``savepoint`` becomes true), so a failure undoes exactly its own rows.
     An operation that only reads needs no savepoint. ``wrote`` records that the operation wrote.
+
+    ``known`` holds the rows this connection wrote last, by key: heads and runs as their (immutable)
+    records, messages as their stored JSON (a message holds JSON containers a caller could mutate, so it
+    is decoded afresh at every read). A store operation mostly reads what the one before it wrote, so
+    those reads need no statement. The entries are exactly the rows in the database as long as nothing
+    else wrote it: every transaction begins with ``check_known`` (``PRAGMA data_version`` moves when
+    another connection commits), and anything rolled back (an operation's savepoint, a failed ``COMMIT``)
+    or deleted (a purge) empties it. Bounded: ``_KNOWN_ROWS`` entries, then it starts again empty.
     """
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self.known: dict[tuple[str, ...], Any] = {}
+        self.data_version: int | None = None
         self.writable = False
         self.isolate = False
         self.savepoint = False
@@ -409,6 +420,17 @@ class _SqliteRows:
             self.conn.execute(_SAVEPOINT)
             self.savepoint = True
         self.wrote = True
+
+    def check_known(self) -> None:
+        """At the start of a transaction: forget the known rows if another connection committed since."""
+        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        if version != self.data_version:
+            self.known.clear()
+            self.data_version = version
+
+    def forget(self) -> None:
+        """Something this connection wrote was rolled back or deleted: no known row is trusted."""
+        self.known.clear()
 
     def flush_fts(self) -> None:
         """Index the rows noted since the last flush: before ``COMMIT``, and before a search in the same
@@ -478,6 +500,9 @@ class _SqliteRows:
     # ------------------------------------------------------------------------------- the primitives
 
     def load_head(self, r: LoadHead) -> HeadState:
+        head = self.known.get(("h", r.conversation_id))
+        if head is not None:
+            return HeadState(head)
         row = self.conn.execute(_HEAD, (r.conversation_id,)).fetchone()
         if row is not None:
             return HeadState(self._head(r.conversation_id, row[0]))
@@ -486,6 +511,10 @@ class _SqliteRows:
 
     def load_runs(self, r: LoadRuns) -> list[Run]:
         cid = r.conversation_id
+        known = self.known
+        runs = [known.get(("r", cid, run_id)) for run_id in r.run_ids]
+        if None not in runs:
+            return runs  # type: ignore[return-value]
         if len(r.run_ids) == 1:
             return self._runs(cid, self.conn.execute(_RUN, (cid, r.run_ids[0])).fetchall())
         found: dict[str, Run] = {}
@@ -511,6 +540,10 @@ class _SqliteRows:
     def load_messages(self, r: LoadMessages) -> list[Message]:
         cid = r.conversation_id
         ids = tuple(dict.fromkeys(r.message_ids))
+        known = self.known
+        bodies = [known.get(("m", cid, message_id)) for message_id in ids]
+        if None not in bodies:
+            return self._messages(cid, zip(ids, bodies, strict=True))
         if len(ids) == 1:
             return self._messages(cid, self.conn.execute(_MESSAGE, (cid, ids[0])).fetchall())
         found: dict[str, Message] = {}
@@ -592,8 +625,12 @@ class _SqliteRows:
         cid = m.head.conversation_id
         conn = self.conn
         encode = self.cache.encode
+        known = self.known
+        if len(known) > _KNOWN_ROWS:
+            known.clear()
         try:
             conn.execute(_UPSERT_HEAD, (cid, m.head.version, encode(m.head)))
+            known["h", cid] = m.head
             if m.runs:
                 runs = [
                     (run.conversation_id, run.id, 1 if run.active else 0, run.version, encode(run)) for run in m.runs
@@ -602,6 +639,8 @@ class _SqliteRows:
                     conn.execute(_UPSERT_RUN, runs[0])
                 else:
                     conn.executemany(_UPSERT_RUN, runs)
+                for run in m.runs:
+                    known["r", run.conversation_id, run.id] = run
             if m.messages:
                 self.fts_pending = True
                 messages = [
@@ -622,6 +661,8 @@ class _SqliteRows:
                     conn.execute(_UPSERT_MESSAGE, messages[0])
                 else:
                     conn.executemany(_UPSERT_MESSAGE, messages)
+                for row in messages:
+                    known["m", row[0], row[1]] = row[8]
             if m.receipts:
                 conn.executemany(
                     _INSERT_RECEIPT,
@@ -638,6 +679,7 @@ class _SqliteRows:
     def purge(self, r: Purge) -> None:
         self._begin_write("purged")
         self.fts_pending = True
+        self.known.clear()
         cid = (r.conversation_id,)
         for sql in _PURGE:
             self.conn.execute(sql, cid)
@@ -913,6 +955,7 @@ class SqliteStoreDriver:
         write = any(job[0] == _JOB_OP and job[2] == "write" for job in todo)
         try:
             conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            rows.check_known()
         except sqlite3.Error as error:
             self._rollback(conn)
             reads = []
@@ -954,12 +997,14 @@ class SqliteStoreDriver:
                 pending.append(job)
         rows.isolate = False
         if lost is not None or (failed and len(todo) == 1):
+            rows.forget()
             self._rollback(conn)  # a lone operation has no savepoint: its failure rolls back everything
         else:
             try:
                 rows.flush_fts()
                 conn.execute("COMMIT")
             except BaseException as error:
+                rows.forget()
                 self._rollback(conn)
                 lost = error
             else:
@@ -1096,6 +1141,7 @@ class SqliteStoreDriver:
             return result
         except BaseException as error:
             operation.close()
+            rows.forget()  # what it wrote is rolled back (its savepoint, or the whole transaction)
             if rows.savepoint:
                 rows.savepoint = False
                 try:

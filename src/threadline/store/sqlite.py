@@ -54,7 +54,7 @@ from ..errors import (
 )
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, foreign
+from .codec import RecordCache, encode as _encode, foreign
 from .driver import (
     Access,
     HeadState,
@@ -396,7 +396,9 @@ class _SqliteRows:
     ``known`` holds the rows this connection wrote last, by key: heads and runs as their (immutable)
     records, messages as their stored JSON (a message holds JSON containers a caller could mutate, so it
     is decoded afresh at every read). A store operation mostly reads what the one before it wrote, so
-    those reads need no statement. The entries are exactly the rows in the database as long as nothing
+    those reads need no statement, and a run a range query returns is not decoded again. Ended runs are
+    not kept (they are seldom read again, and every record kept alive is work for the garbage
+    collector). The entries are exactly the rows in the database as long as nothing
     else wrote it: every transaction begins with ``check_known`` (``PRAGMA data_version`` moves when
     another connection commits), and anything rolled back (an operation's savepoint, a failed ``COMMIT``)
     or deleted (a purge) empties it. Bounded: ``_KNOWN_ROWS`` entries, then it starts again empty.
@@ -445,7 +447,12 @@ class _SqliteRows:
     def _runs(self, conversation_id: str, rows: Iterable[tuple[str, str]]) -> list[Run]:
         out = []
         get = self.cache.get
+        known = self.known
         for run_id, body in rows:
+            run = known.get(("r", conversation_id, run_id))
+            if run is not None:  # this very row, as written here (see ``known``): nothing to decode
+                out.append(run)
+                continue
             run = get(Run, body, lambda r=run_id: f"threadline_runs conversation_id={conversation_id} run_id={r}")
             if run.id != run_id or run.conversation_id != conversation_id:
                 where = f"threadline_runs conversation_id={conversation_id} run_id={run_id}"
@@ -624,7 +631,9 @@ class _SqliteRows:
             raise AssertionError("every mutation writes the conversation head")
         cid = m.head.conversation_id
         conn = self.conn
-        encode = self.cache.encode
+        # plain encoding: ``known`` answers the reads of these rows, and the decoded-record cache would only
+        # keep every superseded version alive (work for the garbage collector, no later hit)
+        encode = _encode
         known = self.known
         if len(known) > _KNOWN_ROWS:
             known.clear()
@@ -640,7 +649,10 @@ class _SqliteRows:
                 else:
                     conn.executemany(_UPSERT_RUN, runs)
                 for run in m.runs:
-                    known["r", run.conversation_id, run.id] = run
+                    if run.active:
+                        known["r", run.conversation_id, run.id] = run
+                    else:  # an ended run is seldom read again: not worth keeping alive
+                        known.pop(("r", run.conversation_id, run.id), None)
             if m.messages:
                 self.fts_pending = True
                 messages = [

@@ -60,7 +60,7 @@ from .loop import (
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import PARTS_ADAPTER, Message, Run
-from .store.aggregate import AgentRuntimeStore, new_id
+from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
 from .store.results import InterruptResult, RecoverResult
@@ -541,7 +541,7 @@ class AgentRuntime:
                 conversation_id=conversation_id,
                 idempotency_key=idempotency_key,
                 input={
-                    "id": record_ids.get("input_message_id") or new_id("msg"),
+                    "id": record_ids.get("input_message_id"),  # None: the store draws a fresh one
                     "role": role,
                     "parts": canonical_parts,
                     "metadata": metadata_json,

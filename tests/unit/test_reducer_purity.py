@@ -162,6 +162,54 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
     assert result.run == run and result.receipt == receipt and result.version == 1
 
 
+def test_ids_drawn_fresh_are_not_looked_up() -> None:
+    """Ids the caller just drew at random cannot exist yet: the reads that look for them are skipped, and
+    only for those ids."""
+    answers = {
+        LoadHead: HeadState(None),
+        LoadReceipt: None,
+        LoadReceiptByInput: None,
+        LoadMessages: [],
+        ListActiveRuns: [],
+        LoadRuns: [],
+        Write: None,
+    }
+
+    def requests_with(fresh: frozenset[str]) -> list[type]:
+        op = reducer.accept_input_and_assign_run(
+            conversation_id="c_1",
+            idempotency_key="k_1",
+            input=draft("m_1", "hello"),
+            run_id="run_1",
+            assistant_message_id="a_1",
+            now=NOW,
+            fresh_ids=fresh,
+        )
+        requests, result = drive(op, lambda r: answers[type(r)])
+        assert result.outcome == "accepted" and result.run.id == "run_1"
+        return [type(r) for r in requests]
+
+    assert requests_with(frozenset({"m_1", "run_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, Write]
+    assert requests_with(frozenset({"run_1"})) == [
+        LoadHead,
+        LoadReceipt,
+        LoadReceiptByInput,
+        LoadMessages,
+        ListActiveRuns,
+        Write,
+    ]
+    assert requests_with(frozenset({"m_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadRuns, Write]
+    assert requests_with(frozenset({"someone-else"})) == [
+        LoadHead,
+        LoadReceipt,
+        LoadReceiptByInput,
+        LoadMessages,
+        ListActiveRuns,
+        LoadRuns,
+        Write,
+    ]
+
+
 def test_coalescing_into_the_queued_successor_driven_by_hand() -> None:
     first = accept_by_hand(head=None, active=[], message_id="m_1", key="k_1", run_id="run_1")
     head1 = first[0][-1].mutation.head

@@ -141,24 +141,34 @@ class AgentRuntimeStore:
     ) -> AcceptResult:
         """Commit an input with its receipt and queued run (or coalesce it into the queued successor).
 
-        Durable on return. Retrying with the same ``idempotency_key`` returns the original receipt.
+        Durable on return. Retrying with the same ``idempotency_key`` returns the original receipt. An
+        ``input`` without an ``id``, like an omitted ``run_id`` or ``assistant_message_id``, gets a fresh
+        random one (``msg_…``, ``run_…``).
         """
         _require_text(conversation_id, "conversation_id")
         _require_text(idempotency_key, "idempotency_key")
         if priority not in ("ordinary", "urgent"):
             raise AgentRecordValidationError(f"priority is 'ordinary' or 'urgent', got {priority!r}", field="priority")
+        fresh: list[str] = []
+        if isinstance(input, Mapping) and input.get("id") is None:
+            fresh.append(new_id("msg"))
+            input = {**input, "id": fresh[-1]}
         draft = _validated(MessageDraft, input, "input")
+        if not run_id:
+            run_id = new_id("run")
+            fresh.append(run_id)
         op = functools.partial(
             reducer.accept_input_and_assign_run,
             conversation_id=conversation_id,
             idempotency_key=idempotency_key,
             input=draft,
-            run_id=run_id or new_id("run"),
+            run_id=run_id,
             assistant_message_id=assistant_message_id or new_id("msg"),
             priority=priority,
             input_policy=input_policy,
             coalesce=coalesce,
             now=self._clock(),
+            fresh_ids=frozenset(fresh),
         )
         return await self._run("accept_input_and_assign_run", op, "write")
 

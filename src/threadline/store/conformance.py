@@ -418,6 +418,36 @@ async def case_duplicate_admission(store: AgentRuntimeStore) -> None:
     _equal(after.answered_by_run_id, c.run("a"), "answered_by_run_id")
 
 
+@_case("drawn_ids")
+async def case_drawn_ids(store: AgentRuntimeStore) -> None:
+    """Ids left out are drawn by the store: an input without ``id``, an omitted run id and assistant
+    message id each get a fresh random one; a repeat of the key (also without ids) is a duplicate of the
+    first admission; every drawn id is new."""
+    cid = "conv-drawn"
+
+    async def admit(key: str, text: str) -> AcceptResult:
+        return await store.accept_input_and_assign_run(
+            conversation_id=cid, idempotency_key=key, input={"parts": _text(text)}
+        )
+
+    first = await admit("a", "first")
+    _equal(first.outcome, "accepted", "admission without ids")
+    ids = (first.receipt.input.id, first.run.id, first.receipt.assistant_message_id)
+    _expect(ids[0].startswith("msg_") and ids[1].startswith("run_") and ids[2].startswith("msg_"), f"drawn ids {ids}")
+    snapshot = await store.load_snapshot(conversation_id=cid)
+    _equal([m.id for m in snapshot.messages], [ids[0]], "the input is stored under its drawn id")
+    again = await _writes_nothing(store, cid, "repeat without ids", admit, "a", "first")
+    _equal((again.outcome, again.receipt), ("duplicate", first.receipt), "a repeated key is a duplicate")
+    second = await admit("b", "second")
+    drawn = {*ids, second.receipt.input.id, second.run.id, second.receipt.assistant_message_id}
+    _equal(len(drawn), 6, "every drawn id is new")
+    _equal(await _active_ids(store, cid), [first.run.id, second.run.id], "both runs are queued in order")
+
+
+async def _active_ids(store: AgentRuntimeStore, cid: str) -> list[str]:
+    return [r.id for r in (await store.list_active_runs(conversation_id=cid)).runs]
+
+
 @_case("coalesced_admission")
 async def case_coalesced_admission(store: AgentRuntimeStore) -> None:
     """Coalescing: while a run is running, coalescing inputs land in ONE queued ordinary successor, in

@@ -285,9 +285,13 @@ def accept_input_and_assign_run(
     input_policy: str = "queue",
     coalesce: bool = False,
     now: Timestamp,
+    fresh_ids: frozenset[str] = frozenset(),
 ) -> Operation[AcceptResult]:
     """Commit the input, its admission receipt and its queued run — or coalesce the input into the single
-    queued ordinary successor — in one transaction. A repeated key returns the original receipt."""
+    queued ordinary successor — in one transaction. A repeated key returns the original receipt.
+
+    ``fresh_ids``: ids the caller has just drawn at random (128 bits): none can exist yet, so the reads
+    that look for an earlier use of them are skipped."""
     if input.role not in ("user", "tool"):
         raise AgentRecordValidationError(
             "an admitted input has role 'user' (or 'tool' for an approval response)", field="input.role"
@@ -303,8 +307,9 @@ def accept_input_and_assign_run(
             )
         assert state.head is not None
         return (yield from _duplicate(receipt, state.head.version))
-    if (yield LoadReceiptByInput(conversation_id, input.id)) is not None or (
-        yield LoadMessages(conversation_id, (input.id,))
+    if input.id not in fresh_ids and (
+        (yield LoadReceiptByInput(conversation_id, input.id)) is not None
+        or (yield LoadMessages(conversation_id, (input.id,)))
     ):
         raise AgentIdempotencyConflictError(
             f"input message id {input.id!r} already exists under another idempotency key; reuse that key or a new id",
@@ -318,7 +323,7 @@ def accept_input_and_assign_run(
             r for r in active if r.state == "queued" and r.priority == "ordinary" and r.execution_sequence is None
         ]
         target = max(candidates, key=lambda r: r.admission_sequence, default=None)
-    if target is None and (yield LoadRuns(conversation_id, (run_id,))):
+    if target is None and run_id not in fresh_ids and (yield LoadRuns(conversation_id, (run_id,))):
         raise AgentIdempotencyConflictError(
             f"run id {run_id!r} already exists in conversation {conversation_id!r}", conversation_id=conversation_id
         )

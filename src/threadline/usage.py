@@ -89,6 +89,9 @@ def _figure(value: int | None, provenance: Provenance, floor: bool = False) -> U
     return figure
 
 
+_UNAVAILABLE = UsageFigure()
+
+
 def _total_provenance(*provenances: Provenance) -> Provenance:
     """A sum is ``computed`` unless one of its known parts was a guess."""
     return "estimated" if "estimated" in provenances else "computed"
@@ -166,18 +169,18 @@ class AgentUsage(BaseModel):
         if not isinstance(other, AgentUsage):
             return NotImplemented
         figures: dict[str, Any] = {}
+        mine, theirs = self.__dict__, other.__dict__
         for name in TOKEN_FIELDS:
-            a, b = getattr(self, name), getattr(other, name)
-            known = [f for f in (a, b) if f.value is not None]
-            if not known:
-                figures[name] = _figure(None, "unavailable")
+            a, b = mine[name], theirs[name]
+            if a.value is None and b.value is None:
+                figures[name] = _UNAVAILABLE
                 continue
             missing = self._token_missing(a) or other._token_missing(b)
-            figures[name] = _figure(
-                sum(f.value for f in known if f.value is not None),
-                _total_provenance(*(f.provenance for f in known)),
-                missing,
-            )
+            if a.value is None or b.value is None:
+                known = a if b.value is None else b
+                figures[name] = _figure(known.value, _total_provenance(known.provenance), missing)
+            else:
+                figures[name] = _figure(a.value + b.value, _total_provenance(a.provenance, b.provenance), missing)
         figures["cost"] = self._add_cost(other)
         return AgentUsage(steps=self.steps + other.steps, complete=self.complete and other.complete, **figures)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
@@ -48,10 +49,17 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+_ids = random.Random()  # seeded from os.urandom; reseeded in a forked child, so no two processes share it
+os.register_at_fork(after_in_child=_ids.seed)
+_bits = _ids.getrandbits
+
+
 def new_id(prefix: str = "") -> str:
     """A fresh random id such as ``run_4f0c…`` (128 random bits in hex; without a prefix, the bits alone).
-    ``os.urandom`` directly: a ``uuid.UUID`` object per id cost more than the randomness."""
-    return f"{prefix}_{os.urandom(16).hex()}" if prefix else os.urandom(16).hex()
+
+    Ids need to be unique, not secret: a generator seeded from ``os.urandom`` draws them without a system
+    call each (several per turn)."""
+    return f"{prefix}_{_bits(128):032x}" if prefix else f"{_bits(128):032x}"
 
 
 def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
@@ -115,7 +123,9 @@ class AgentRuntimeStore:
                         continue
             return result
         finally:
-            total = self.metrics.setdefault(name, OperationStats())
+            total = self.metrics.get(name)
+            if total is None:
+                total = self.metrics[name] = OperationStats()
             total.calls += 1
             total.rows_read += stats.rows_read
             total.rows_written += stats.rows_written

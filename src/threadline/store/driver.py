@@ -354,12 +354,14 @@ def _count_write(request: Write | Purge, stats: OperationStats) -> None:
 def drive_sync(operation: Operation[T], rows: SyncRows, stats: OperationStats | None = None) -> T:
     """Run ``operation`` to completion against synchronous row primitives (inside one transaction)."""
     answer: Any = None
+    send = operation.send
     try:
         while True:
-            request = operation.send(answer)
-            answer = getattr(rows, _SYNC_DISPATCH[type(request)])(request)
+            request = send(answer)
+            kind = type(request)
+            answer = getattr(rows, _SYNC_DISPATCH[kind])(request)
             if stats is not None:
-                if isinstance(request, Write | Purge):
+                if kind is Write or kind is Purge:
                     _count_write(request, stats)
                 else:
                     stats.read(request, answer)
@@ -370,12 +372,14 @@ def drive_sync(operation: Operation[T], rows: SyncRows, stats: OperationStats | 
 async def drive_async(operation: Operation[T], rows: AsyncRows, stats: OperationStats | None = None) -> T:
     """Run ``operation`` to completion against asynchronous row primitives (inside one transaction)."""
     answer: Any = None
+    send = operation.send
     try:
         while True:
-            request = operation.send(answer)
-            answer = await getattr(rows, _SYNC_DISPATCH[type(request)])(request)
+            request = send(answer)
+            kind = type(request)
+            answer = await getattr(rows, _SYNC_DISPATCH[kind])(request)
             if stats is not None:
-                if isinstance(request, Write | Purge):
+                if kind is Write or kind is Purge:
                     _count_write(request, stats)
                 else:
                     stats.read(request, answer)

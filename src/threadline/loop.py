@@ -415,6 +415,10 @@ class _OwnedRun:
         self.run = run
         self.control = control
         self.checkpoints = 0
+        self.vouched = False
+        """Set while the tool calls that start right after a step's finish commit pass their fence: that
+        compare-and-swap verified owner and fencing token, and nothing could run in between (no
+        application hook awaited), so the fence needs no read of its own."""
         self._lock = asyncio.Lock()
 
     async def _still_owned(self) -> Run | None:
@@ -523,8 +527,11 @@ class _OwnedRun:
         await self._owned(self.env.store.renew_run_lease, lease_expires_at=expires_at)
 
     async def fence(self) -> None:
-        """Check that this process still owns the run, before a step's tool effects. (A result is accepted
-        only by the next owned commit, whose CAS checks ownership again.)"""
+        """Check that this process still owns the run, before a step's tool effects: by reading it, unless
+        the step's finish commit just did (``vouched``). (A result is accepted only by the next owned
+        commit, whose CAS checks ownership again.)"""
+        if self.vouched:
+            return
         try:
             current = await self._still_owned()
         except Exception as error:
@@ -1076,7 +1083,13 @@ class _Execution:
             held = [c for c in calls if await self._needs_approval(c)]
             direct = [c for c in calls if c not in held]
             self._tools_invoked = self._tools_invoked or bool(direct)
-            results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
+            # with no application hook that could wait in between, the finish commit's CAS is the fence
+            settings = env.settings
+            self.owned.vouched = settings.tool_lifecycle is None and not callable(settings.tool_approval)
+            try:
+                results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
+            finally:
+                self.owned.vouched = False
             self.parts.extend(results)
             if held:  # the run pauses: signed requests are stored on its assistant before any effect
                 self.parts.extend(self._approval_request(c) for c in held)

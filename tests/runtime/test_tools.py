@@ -76,6 +76,36 @@ async def test_a_fence_lost_mid_tool_stops_the_old_loop_without_applying_the_res
     await runtime.close()
 
 
+async def test_the_step_finish_commit_is_the_fence_unless_an_application_hook_may_wait_between(store: Any) -> None:
+    """The finish commit before a step's tools is a compare-and-swap on owner and fencing token: when
+    nothing can run between it and the calls, it is their fence. An application ``before`` hook, or a
+    callable approval rule, may wait on anything: then the fence reads the run again, once per call."""
+    effects: list[str] = []
+
+    @define_agent_tool
+    async def effect() -> str:
+        effects.append("applied")
+        return "ok"
+
+    def fence_reads() -> int:
+        stats = store.metrics.get("load_run")
+        return stats.calls if stats is not None else 0
+
+    cases: list[tuple[dict[str, Any], int]] = [
+        ({}, 0),
+        ({"tool_lifecycle": AgentToolLifecycle(before=lambda call: None)}, 1),
+        ({"tool_approval": lambda call: False, "tool_approval_secret": SECRET}, 1),
+    ]
+    for n, (loop, reads) in enumerate(cases):
+        runtime = make_runtime(store, call_then_answer("effect"), tools=[effect], loop=loop)
+        before = fence_reads()
+        result = await submit(runtime, f"k{n}", "go", conversation_id=f"c{n}").result
+        assert answer_text(result) == "the tool said: ok"
+        assert fence_reads() - before == reads, loop
+        await runtime.close()
+    assert effects == ["applied"] * len(cases)
+
+
 async def test_error_envelopes_reach_the_model_and_causes_stay_local(store: Any) -> None:
     causes: list[BaseException] = []
 

@@ -1067,6 +1067,9 @@ class SqliteStoreDriver:
             )
         conn.execute(f"PRAGMA synchronous = {self._synchronous}")
         conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
+        # savepoints and statement journals copy every page they first touch into a sub-journal: in memory,
+        # not a temporary file (a fifth of the write statements' time on the turn workload)
+        conn.execute("PRAGMA temp_store = MEMORY")
         conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         conn.execute("PRAGMA wal_autocheckpoint = 0")  # the worker checkpoints (see _wrote)
         if not _fts5_available(conn):

@@ -37,14 +37,18 @@ class Lane:
     """The run records this process's admissions returned, newest per run: a hint, never authority."""
     task: asyncio.Task[None] | None = None
     blocked_on: str | None = None
+    started: dict[str, tuple[Run, int, Any]] = field(default_factory=dict)
+    """Runs this process's admissions acquired in the same commit (run, version, the first request's
+    operation): they are executed without an acquisition."""
 
     @property
     def busy(self) -> bool:
         return self.task is not None and not self.task.done()
 
     def wake(self) -> None:
-        """Make sure the lane worker runs (it exits when nothing it can run is queued)."""
-        if not self.busy and not self.runtime.closing:
+        """Make sure the lane worker runs (it exits when nothing it can run is queued). A run an admission
+        started is executed even while the runtime closes (it then ends at once)."""
+        if not self.busy and (not self.runtime.closing or self.started):
             self.task = asyncio.get_running_loop().create_task(
                 self._work(), name=f"threadline-lane-{self.conversation_id}"
             )
@@ -91,12 +95,12 @@ class Lane:
             return None
         (run_id,) = self.contexts
         run = self.admitted.get(run_id)
-        return run if run is not None and run.state == "queued" else None
+        return run if run is not None and (run.state == "queued" or run_id in self.started) else None
 
     async def _run_queue(self) -> None:
         runtime = self.runtime
         hint = self._sole_admitted()
-        while not runtime.closing:
+        while not runtime.closing or self.started:
             guessed = hint is not None
             if hint is not None:
                 # the common case: one input, nothing ahead of it here; skip the read of the active runs
@@ -123,6 +127,9 @@ class Lane:
         if not active.runs:
             return None
         head = active.runs[0]
+        if head.id in self.started:  # acquired by this process's own admission: run it
+            self.blocked_on = None
+            return head
         if head.acquired or head.id not in self.contexts:
             # another executor holds it, or an orphan from an earlier process: recovery decides.
             # Inputs waiting behind it cannot run here now; their tickets say so.

@@ -63,7 +63,7 @@ from .records import PARTS_ADAPTER, Message, Run
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
-from .store.results import InterruptResult, RecoverResult
+from .store.results import InterruptResult, RecoverResult, RunResult
 from .tools import AgentTool, AgentToolLifecycle
 from .usage import AgentUsage
 
@@ -537,6 +537,11 @@ class AgentRuntime:
             except Exception as error:
                 raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
             metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
+            # an input for a conversation this process is not running anything in is admitted and started
+            # in one commit (the store starts it only if nothing is queued or running there durably)
+            idle = self.lanes.get(conversation_id)
+            start = self.runs.execute and (idle is None or (not idle.busy and not idle.contexts))
+            first = model_request(0) if start and self.loop_settings.compaction is None else None
             accepted = await self.store.accept_input_and_assign_run(
                 conversation_id=conversation_id,
                 idempotency_key=idempotency_key,
@@ -551,6 +556,9 @@ class AgentRuntime:
                 priority="urgent" if policy == "interrupt-next" else "ordinary",
                 input_policy=policy,
                 coalesce=self.runs.coalesce_pending,
+                start_for=self.owner_id if start else None,
+                lease_expires_at=self._lease_expiry() if start else None,
+                operation=first,
             )
         except BaseException as error:
             for future in (ticket.admission, ticket.accepted, ticket.result):
@@ -600,6 +608,8 @@ class AgentRuntime:
         lane = self._lane(conversation_id)
         lane.contexts.setdefault(run.id, parsed_context)
         lane.admitted[run.id] = run
+        if start and accepted.outcome == "accepted" and not accepted.coalesced and run.state == "running":
+            lane.started[run.id] = (run, accepted.version, first)
         if accepted.outcome == "accepted":
             lane.apply_policy(policy, run.id)
         lane.wake()
@@ -661,33 +671,39 @@ class AgentRuntime:
     # --------------------------------------------------------------------------------- execution
 
     async def execute(self, lane: Lane, run: Run, context: Any) -> bool:
-        """Acquire and execute one queued run; settle its waiters. Returns whether the lane may go on."""
+        """Acquire and execute one queued run (or one its admission started); settle its waiters. Returns
+        whether the lane may go on."""
         self._ensure_listening()
-        # the first request's admission rides on the acquisition (one commit less per run), unless a
-        # compaction hook may write between the two
-        first = model_request(0) if self.loop_settings.compaction is None else None
-        try:
-            acquired = await self.retry_store(
-                lambda: self.store.acquire_run(
-                    conversation_id=run.conversation_id,
-                    run_id=run.id,
-                    expected_revision=run.revision,
-                    owner_id=self.owner_id,
-                    lease_expires_at=self._lease_expiry(),
-                    operation=first,
+        started = lane.started.pop(run.id, None)
+        if started is not None:  # admitted and acquired in one commit (its run-state event is out)
+            acquired = RunResult(run=started[0], version=started[1])
+            first = started[2]
+        else:
+            # the first request's admission rides on the acquisition (one commit less per run), unless a
+            # compaction hook may write between the two
+            first = model_request(0) if self.loop_settings.compaction is None else None
+            try:
+                acquired = await self.retry_store(
+                    lambda: self.store.acquire_run(
+                        conversation_id=run.conversation_id,
+                        run_id=run.id,
+                        expected_revision=run.revision,
+                        owner_id=self.owner_id,
+                        lease_expires_at=self._lease_expiry(),
+                        operation=first,
+                    )
                 )
-            )
-        except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
-            return True  # it moved (another executor, or a newer revision): look again
-        except (AgentConversationPurgedError, AgentRecordNotFoundError) as error:
-            self.waiters.reject(run.id, error)
-            return False
-        except Exception as error:
-            # acquisition failed past the retry budget (or its reply was lost): abandon the run durably
-            await self._abandon_unacquirable(run, error)
-            return False
+            except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
+                return True  # it moved (another executor, or a newer revision): look again
+            except (AgentConversationPurgedError, AgentRecordNotFoundError) as error:
+                self.waiters.reject(run.id, error)
+                return False
+            except Exception as error:
+                # acquisition failed past the retry budget (or its reply was lost): abandon the run durably
+                await self._abandon_unacquirable(run, error)
+                return False
+            self._publish_run_state(acquired.run, acquired.version)
         self.waiters.mark_acquired(run.id, acquired.run)
-        self._publish_run_state(acquired.run, acquired.version)
         queue_wait = None
         if acquired.run.acquired_at is not None:
             queue_wait = max(0.0, (acquired.run.acquired_at - acquired.run.created_at).total_seconds())
@@ -703,6 +719,8 @@ class AgentRuntime:
                 )
             )
         control = RunControl(run.id)
+        if self.closing:  # started by an admission that raced close(): it ends at once, as close() ends runs
+            control.abort("shutdown")
         lane.control = control
         prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)
         env = LoopEnv(

@@ -60,10 +60,12 @@ POINTS = [
     # admission of the first input
     Point("before:accept:c1:key=k0", "before the first admission commit"),
     Point("mid:accept:c1:key=k0", "first admission written, COMMIT not reached"),
-    Point("after:accept:c1:key=k0", "first admission committed, the caller never heard"),
-    # acquisition, the request's admission, the first output of k0's run
-    Point("before:acquire:c1:run=k0", "admitted, before acquisition"),
-    Point("after:acquire:c1:run=k0", "acquired with the empty draft and the request's admission, no call yet"),
+    Point(
+        "after:accept:c1:key=k0",
+        "first admission committed, the caller never heard; nothing else ran in c1, so the same commit acquired "
+        "the run with the empty draft and the request's admission: no call yet",
+    ),
+    # the first output of k0's run
     Point("after:checkpoint:c1:run=k0;parts=text;op=first-output", "first output recorded with the first batch"),
     # mid-stream, with the queued and coalesced successor admitted meanwhile
     Point("stream:c1:1:1", "mid-stream after 1 delta"),
@@ -78,6 +80,7 @@ POINTS = [
     Point("mid:terminal:c1:run=k0", "first terminal written, COMMIT not reached"),
     Point("after:terminal:c1:run=k0", "after the first terminal, successor not acquired"),
     # the coalesced successor: a tool call, the tool, then an answer
+    Point("before:acquire:c1:run=k1+k3", "the queued successor, before its acquisition"),
     Point("after:acquire:c1:run=k1+k3", "coalesced successor acquired"),
     Point("stream:c1:2:1", "tool call streamed, before its structural checkpoint"),
     Point("mid:checkpoint:c1:run=k1+k3;parts=tool-call;op=completed", "step-finish checkpoint written, no COMMIT"),

@@ -70,7 +70,7 @@ def check_recovery(out: str) -> None:
 
 
 def check_events(out: str) -> None:
-    assert "delivery sink: {'delivered': 20, 'dropped': 0, 'failed': 0}" in out
+    assert "delivery sink: {'delivered': 19, 'dropped': 0, 'failed': 0}" in out
     assert "transient #1  assistant-delta      fresh  Checking." in out
     assert "transient #2  tool-status          fresh  started" in out
     assert "durable       terminal             fresh" in out

@@ -58,7 +58,11 @@ async def test_a_streamed_answer_in_order(store: Any) -> None:
     result, delivery, operator = await run_with(store, Script(words))
     run_id = result.run.id
     types = delivery.types(run_id)
-    assert types[:3] == ["admission", "run-state", "run-state"]  # admitted (queued), then running
+    # nothing else ran in the conversation: one commit admitted and started the run, the first request
+    # admitted with it
+    assert types[:4] == ["admission", "run-state", "assistant-checkpoint", "run-operation"]
+    admission, state = delivery.of("admission")[0], delivery.of("run-state")[0]
+    assert (state.state, state.version) == ("running", admission.version)
     assert types[-2:] == ["run-state", "terminal"]
     assert [e.delta for e in delivery.of("assistant-delta")] == ["one ", "two ", "three"]
     phases = [e.operation.phase for e in delivery.of("run-operation")]
@@ -72,6 +76,30 @@ async def test_a_streamed_answer_in_order(store: Any) -> None:
     assert [e.type for e in operator.events] == ["run-started", "step-finished", "run-terminal"]
     assert operator.events[1].usage.output_tokens.provenance == "provider-reported", "a step's own figure"
     assert operator.events[-1].outcome == "committed" and operator.events[-1].usage.steps == 1
+
+
+async def test_an_input_behind_a_running_run_is_queued_then_acquired(store: Any) -> None:
+    release = asyncio.Event()
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            await release.wait()
+        yield f"answer {i}"
+
+    delivery = Recorder()
+    runtime = make_runtime(store, Script(handler), publish=delivery)
+    first = submit(runtime, "k1", "first")
+    await first.accepted
+    second = submit(runtime, "k2", "second")
+    queued = (await second.accepted).run
+    assert queued.state == "queued"
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first.result, second.result), 10)
+    await runtime.close()
+    states = [(e.state, e.version) for e in delivery.of("run-state") if e.run_id == queued.id]
+    admitted = next(e for e in delivery.of("admission") if e.run_id == queued.id)
+    assert [s for s, _ in states] == ["queued", "running", "completed"]
+    assert states[0][1] == admitted.version < states[1][1]
 
 
 async def test_reasoning_is_framed_by_start_and_end(store: Any) -> None:

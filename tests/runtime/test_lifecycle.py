@@ -179,6 +179,38 @@ async def test_close_with_both_budgets(store: Any) -> None:
     assert (await asyncio.wait_for(ticket.result, 5)).terminal_reason == "shutdown"
 
 
+async def test_a_run_its_admission_started_while_the_runtime_closed_ends_at_once(store: Any) -> None:
+    """close() begins between the commit that admitted and started a run and the run's first step: the
+    run is not left acquired by a runtime that will never execute it; it ends ``shutdown`` at once."""
+    script = Script()
+    runtime = make_runtime(store, script)
+    admit = store.accept_input_and_assign_run
+    closing: list[asyncio.Future[Any]] = []
+
+    async def admit_then_close(**kwargs: Any) -> Any:
+        accepted = await admit(**kwargs)
+        closing.append(asyncio.ensure_future(runtime.close()))
+        await asyncio.sleep(0)  # close() is under way before the admission's caller goes on
+        return accepted
+
+    store.accept_input_and_assign_run = admit_then_close
+    ticket = submit(runtime, "k", "hello")
+    run = (await ticket.admission).run
+    assert run.state == "running"
+    await asyncio.wait_for(closing[0], 5)
+    loaded = await asyncio.wait_for(_terminal(store, run.id), 5)
+    assert (loaded.run.terminal_reason, loaded.run.state) == ("shutdown", "interrupted")
+    assert script.calls == [], "no provider call was made"
+
+
+async def _terminal(store: Any, run_id: str) -> Any:
+    while True:
+        loaded = await store.load_run(conversation_id="c1", run_id=run_id)
+        if loaded.run.terminal:
+            return loaded
+        await asyncio.sleep(0.01)
+
+
 async def test_close_leaves_queued_work_recoverable(store: Any) -> None:
     script, _release, streamed = hanging_script()
     runtime = make_runtime(store, script)
@@ -297,13 +329,26 @@ async def test_a_store_that_fails_at_the_terminal_leaves_the_run_unsettled(store
 
 
 async def test_an_acquisition_the_store_keeps_failing_abandons_the_run(store: Any) -> None:
-    runtime = make_runtime(store, Script())
+    release = asyncio.Event()
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            await release.wait()
+        yield f"answer {i}"
+
+    runtime = make_runtime(store, Script(handler))
+    first = submit(runtime, "k1", "first")  # nothing else runs in c1: its admission starts it
+    await first.accepted
 
     async def failing(**kwargs: Any) -> Any:
         raise AgentStoreUnavailableError("database unreachable")
 
     store.acquire_run = failing
-    result = await submit(runtime, "k", "hello").result
+    second = submit(runtime, "k2", "second")  # queued behind the first; its acquisition will fail
+    assert (await second.accepted).run.state == "queued"
+    release.set()
+    assert (await first.result).terminal_reason == "success"
+    result = await second.result
     assert (result.terminal_reason, result.run.state, result.assistant.status) == ("abandoned", "abandoned", "failed")
     await runtime.close()
 

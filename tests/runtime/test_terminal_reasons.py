@@ -320,9 +320,11 @@ async def test_45_deltas_give_two_checkpoints_and_the_terminal(store: Any) -> No
 
     result = await run_one(store, script_of(chatty))
     assert result.terminal_reason == "success"
-    # the acquisition wrote the initial draft with the request's admission; then two batches of 20; the
-    # last step's end is written by the terminal commit itself
-    assert store.metrics["acquire_run"].calls == 1
+    # the input's admission also started the run (nothing ran in the conversation) and wrote the initial
+    # draft with the request's admission; then two batches of 20; the last step's end is written by the
+    # terminal commit itself
+    assert store.metrics["accept_input_and_assign_run"].calls == 1
+    assert "acquire_run" not in store.metrics
     assert store.metrics["checkpoint_run_assistant"].calls == 2
     assert store.metrics["commit_run_terminal"].calls == 1
     assert result.run.last_operation is not None and result.run.last_operation.phase == "completed"

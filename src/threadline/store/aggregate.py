@@ -148,12 +148,20 @@ class AgentRuntimeStore:
         priority: Priority = "ordinary",
         input_policy: str = "queue",
         coalesce: bool = False,
+        start_for: str | None = None,
+        lease_expires_at: datetime | None = None,
+        operation: RunOperation | Mapping[str, Any] | None = None,
     ) -> AcceptResult:
         """Commit an input with its receipt and queued run (or coalesce it into the queued successor).
 
         Durable on return. Retrying with the same ``idempotency_key`` returns the original receipt. An
         ``input`` without an ``id``, like an omitted ``run_id`` or ``assistant_message_id``, gets a fresh
         random one (``msg_…``, ``run_…``).
+
+        ``start_for`` (an owner id) admits and starts in one commit when nothing is queued or running in
+        the conversation: the new run is acquired for that owner as :meth:`acquire_run` would do it (with
+        ``lease_expires_at`` and ``operation``), and the result's run is ``running``. Otherwise the run is
+        queued as usual and the caller acquires it later.
         """
         _require_text(conversation_id, "conversation_id")
         _require_text(idempotency_key, "idempotency_key")
@@ -167,18 +175,26 @@ class AgentRuntimeStore:
         if not run_id:
             run_id = new_id("run")
             fresh.append(run_id)
+        if not assistant_message_id:
+            assistant_message_id = new_id("msg")
+            fresh.append(assistant_message_id)
+        if start_for is not None:
+            _require_text(start_for, "start_for")
         op = functools.partial(
             reducer.accept_input_and_assign_run,
             conversation_id=conversation_id,
             idempotency_key=idempotency_key,
             input=draft,
             run_id=run_id,
-            assistant_message_id=assistant_message_id or new_id("msg"),
+            assistant_message_id=assistant_message_id,
             priority=priority,
             input_policy=input_policy,
             coalesce=coalesce,
             now=self._clock(),
             fresh_ids=frozenset(fresh),
+            start_for=start_for,
+            lease_expires_at=lease_expires_at,
+            operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
         )
         return await self._run("accept_input_and_assign_run", op, "write")
 

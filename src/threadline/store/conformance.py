@@ -33,7 +33,7 @@ import contextlib
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeAlias, TypeVar
 
 from ..errors import (
@@ -72,6 +72,15 @@ CONFORMANCE_CASES: dict[str, ConformanceCase] = {}
 """Every case by name, in the order the suite runs them."""
 
 _T0 = datetime(2030, 1, 1, tzinfo=UTC)
+_FIRST_REQUEST = {
+    "kind": "model-request",
+    "phase": "started",
+    "operation_id": "op-first",
+    "step": 0,
+    "attempt": 1,
+    "started_at": _T0,
+}
+"""Step 0's ``model-request`` admission, as a caller passes it with an acquisition."""
 """A fixed timestamp for operation records and leases."""
 
 E = TypeVar("E", bound=BaseException)
@@ -1960,14 +1969,7 @@ async def case_acquire_with_admission(store: AgentRuntimeStore) -> None:
     written (a requeued run's earlier draft is emptied, keeping its sequence)."""
     c = _Conv(store, "conv-acquire-admission")
     queued = (await c.admit("a")).run
-    operation = {
-        "kind": "model-request",
-        "phase": "started",
-        "operation_id": "op-first",
-        "step": 0,
-        "attempt": 1,
-        "started_at": _T0,
-    }
+    operation = dict(_FIRST_REQUEST)
     version = await c.version()
     res = await store.acquire_run(
         conversation_id=c.cid, run_id=queued.id, expected_revision=queued.revision, owner_id="o", operation=operation
@@ -2005,6 +2007,54 @@ async def case_acquire_with_admission(store: AgentRuntimeStore) -> None:
         conversation_id=c.cid, run_id=plain.id, expected_revision=plain.revision, owner_id="o"
     )
     _equal((res.assistant, res.run.last_operation), (None, None), "without an operation, no draft and no record")
+
+
+@_case("admission_starts_an_idle_conversation")
+async def case_admission_starts_an_idle_conversation(store: AgentRuntimeStore) -> None:
+    """``start_for``: an admission into a conversation with nothing queued or running acquires its run in
+    the same commit (one version), exactly as ``acquire_run`` would: running, revision 2, fencing token 1,
+    execution sequence, the owner's lease, and with ``operation`` the empty draft after the input. With a
+    run active, it only queues; a duplicate or a coalesced input never starts anything."""
+    c = _Conv(store, "conv-admit-start")
+    operation = dict(_FIRST_REQUEST)
+    lease = _T0 + timedelta(minutes=5)
+    first = await c.admit("a", start_for="owner-a", lease_expires_at=lease, operation=operation)
+    run = first.run
+    _equal(first.version, 1, "one commit admits and starts")
+    _equal(
+        (run.state, run.revision, run.fencing_token, run.owner_id, run.execution_sequence, run.lease_expires_at),
+        ("running", 2, 1, "owner-a", 1, lease),
+        "the admitted run is acquired",
+    )
+    assert run.last_operation is not None and run.acquired_at is not None
+    _equal(run.last_operation.model_dump(exclude_none=True), operation, "it records the first request's admission")
+    _equal(await c.load(run.id), run, "load_run returns the started run")
+    snapshot = await c.snapshot()
+    _equal(
+        [(m.id, m.role, m.status, m.parts, m.seq) for m in snapshot.messages],
+        [
+            (c.inp("a"), "user", "committed", tuple(first.receipt.input.parts), 1),
+            (c.out("a"), "assistant", "streaming", (), 2),
+        ],
+        "the input, then the empty draft",
+    )
+    queued = await c.admit("b", start_for="owner-a", lease_expires_at=lease, operation=operation)
+    _equal((queued.run.state, queued.run.owner_id, queued.version), ("queued", None, 2), "behind a run, it queues")
+    _equal([m.id for m in (await c.snapshot()).messages], [c.inp("a"), c.out("a"), c.inp("b")], "and writes no draft")
+    coalesced = await c.admit("c", coalesce=True, start_for="owner-a", operation=operation)
+    _equal((coalesced.coalesced, coalesced.run.state), (True, "queued"), "a coalesced input starts nothing")
+    again = await _writes_nothing(store, c.cid, "duplicate of a started admission", c.admit, "a", start_for="o2")
+    _equal((again.outcome, again.run), ("duplicate", run), "a duplicate returns the run as stored")
+    written = await c.checkpoint(run, "partial")
+    done = await c.finish(written, text="answer a")
+    _equal(done.outcome, "committed", "the started run ends like any acquired run")
+    _equal(await c.active(), [queued.run.id], "its successor waits, queued")
+    plain = await c.admit("d", start_for="owner-b")
+    _equal(plain.run.state, "queued", "still behind the successor")
+    other = _Conv(store, "conv-admit-start-plain")
+    bare = await other.admit("a", start_for="owner-b")
+    _equal((bare.run.state, bare.run.last_operation), ("running", None), "without an operation: acquired only")
+    _equal([m.id for m in (await other.snapshot()).messages], [other.inp("a")], "and no draft")
 
 
 @_case("records_round_trip")

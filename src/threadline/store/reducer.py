@@ -286,12 +286,20 @@ def accept_input_and_assign_run(
     coalesce: bool = False,
     now: Timestamp,
     fresh_ids: frozenset[str] = frozenset(),
+    start_for: str | None = None,
+    lease_expires_at: Timestamp | None = None,
+    operation: RunOperation | None = None,
 ) -> Operation[AcceptResult]:
     """Commit the input, its admission receipt and its queued run — or coalesce the input into the single
     queued ordinary successor — in one transaction. A repeated key returns the original receipt.
 
     ``fresh_ids``: ids the caller has just drawn at random (128 bits): none can exist yet, so the reads
-    that look for an earlier use of them are skipped."""
+    that look for an earlier use of them are skipped.
+
+    ``start_for`` (an owner id): when the new run is the conversation's only active run, nothing queued or
+    running before it, the same commit also acquires it for that owner, exactly as :func:`acquire_run`
+    would (``lease_expires_at``; with ``operation``, the empty draft and the first request's admission).
+    The result's run is then ``running``; otherwise it is queued as usual."""
     if input.role not in ("user", "tool"):
         raise AgentRecordValidationError(
             "an admitted input has role 'user' (or 'tool' for an approval response)", field="input.role"
@@ -366,7 +374,11 @@ def accept_input_and_assign_run(
     )
     message = evolve(message, {"version": head.version})
     new_receipt = evolve(new_receipt, {"input": message})
-    w = _stamp(Mutation(head=head, runs=(run,), messages=(message,), receipts=(new_receipt,)))
+    messages: tuple[Message, ...] = (message,)
+    if start_for is not None and target is None and not active:
+        head, run, drafts = yield from _start(head, run, start_for, lease_expires_at, operation, now, fresh_ids)
+        messages += drafts
+    w = _stamp(Mutation(head=head, runs=(run,), messages=messages, receipts=(new_receipt,)))
     yield Write(w)
     return AcceptResult(
         outcome="accepted", receipt=new_receipt, run=w.runs[0], version=head.version, coalesced=target is not None
@@ -441,15 +453,30 @@ def acquire_run(
         raise AgentRunOrderConflictError(
             f"cannot acquire run {run_id!r}: run {blocking.id!r} ({blocking.state}) goes first", **ctx
         )
+    head, acquired, drafts = yield from _start(_bump(head, now), run, owner_id, lease_expires_at, operation, now)
+    w = _stamp(Mutation(head=head, runs=(acquired,), messages=drafts))
+    yield Write(w)
+    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0] if drafts else None)
+
+
+def _start(
+    head: ConversationHead,
+    run: Run,
+    owner_id: str,
+    lease_expires_at: Timestamp | None,
+    operation: RunOperation | None,
+    now: Timestamp,
+    fresh_ids: frozenset[str] = frozenset(),
+) -> Operation[tuple[ConversationHead, Run, tuple[Message, ...]]]:
+    """The acquisition of ``run`` (checked by the caller) inside a change whose head is bumped already:
+    its execution sequence, owner, fencing token and lease, and with ``operation`` the empty draft."""
     execution_sequence = run.execution_sequence
     if execution_sequence is None:
         execution_sequence = head.execution_seq + 1
-        head = _bump(head, now, execution_seq=execution_sequence)
-    else:
-        head = _bump(head, now)
+        head = evolve(head, {"execution_seq": execution_sequence})
     drafts: tuple[Message, ...] = ()
     if operation is not None:
-        head, draft = yield from _draft(head, run, (), now)
+        head, draft = yield from _draft(head, run, (), now, fresh=run.assistant_message_id in fresh_ids)
         drafts = (draft,)
     acquired = _evolve(
         run,
@@ -464,17 +491,16 @@ def acquire_run(
         updated_at=now,
         **({"last_operation": operation} if operation is not None else {}),
     )
-    w = _stamp(Mutation(head=head, runs=(acquired,), messages=drafts))
-    yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0] if drafts else None)
+    return head, acquired, drafts
 
 
 def _draft(
-    head: ConversationHead, run: Run, parts: Sequence[Part], now: Timestamp
+    head: ConversationHead, run: Run, parts: Sequence[Part], now: Timestamp, fresh: bool = False
 ) -> Operation[tuple[ConversationHead, Message]]:
     """The run's streaming assistant draft holding ``parts``, and the head that writes it (bumped; the
-    caller has bumped it already when this is part of a larger change, so only ``message_seq`` moves)."""
-    existing: list[Message] = yield LoadMessages(run.conversation_id, (run.assistant_message_id,))
+    caller has bumped it already when this is part of a larger change, so only ``message_seq`` moves).
+    ``fresh``: the draft's id was just drawn at random, so no such message can exist yet."""
+    existing: list[Message] = [] if fresh else (yield LoadMessages(run.conversation_id, (run.assistant_message_id,)))
     if existing:
         return head, evolve(existing[0], {"parts": tuple(parts), "status": "streaming", "version": head.version})
     head = evolve(head, {"message_seq": head.message_seq + 1})

@@ -32,6 +32,7 @@ from threadline.errors import (
 )
 from threadline.store import AgentRuntimeStore, MemoryStoreDriver, create_agent_runtime_store
 from threadline.store.sqlite import (
+    _FTS_FLUSH,
     SQLITE_SCHEMA_VERSION,
     SqliteAgentRuntimeStoreHandle,
     create_sqlite_agent_runtime_store,
@@ -745,6 +746,25 @@ async def test_search_messages_finds_settled_text_only(db: Path) -> None:
         assert (await store.purge_conversation(conversation_id="c")).outcome == "purged"
         assert await sqlite.search_messages("c", "fox") == []
         assert [m.id for m in await sqlite.search_messages("other", "fox")] == ["o1:out"]
+
+
+async def test_indexing_settled_messages_reads_only_the_rows_it_indexes(db: Path) -> None:
+    """The full-text flush before every COMMIT costs what it indexes, not what the file holds: its plan
+    scans only the queue and reaches messages by primary key (an unlucky plan scanned every settled
+    message of every conversation at every commit)."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        for n in range(3):
+            await turn(sqlite.store, "c", f"t{n}")
+    conn = raw(db)
+    try:
+        for sql in _FTS_FLUSH:
+            plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+            # the queue is scanned; the index is reached by rowid, each body's parts by json_each
+            allowed = ("SCAN threadline_fts_queue", "SCAN q", "SCAN threadline_message_fts VIRTUAL TABLE INDEX 0:=")
+            scans = [step for step in plan if step.startswith("SCAN") and not step.startswith("SCAN p VIRTUAL")]
+            assert all(step.startswith(allowed) for step in scans), (sql, plan)
+    finally:
+        conn.close()
 
 
 async def test_search_survives_reopen(db: Path) -> None:

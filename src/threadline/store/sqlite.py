@@ -309,11 +309,13 @@ _FTS_FLUSH = (
     "DELETE FROM threadline_message_fts WHERE rowid IN (SELECT row_id FROM threadline_fts_queue WHERE stale)",
     "INSERT INTO threadline_message_fts (rowid, text, conversation_id, message_id) "
     f"SELECT m.row_id, {_TEXT_OF.format(body='m.body')}, m.conversation_id, m.message_id "
-    "FROM threadline_fts_queue AS q JOIN threadline_messages AS m ON m.row_id = q.row_id "
+    # CROSS JOIN keeps this order (the planner would rather scan every settled message and probe the queue)
+    "FROM threadline_fts_queue AS q CROSS JOIN threadline_messages AS m ON m.row_id = q.row_id "
     "WHERE m.position IS NOT NULL",
     "DELETE FROM threadline_fts_queue",
 )
-"""Index the rows the triggers noted, in three statements whatever their number (see ``_TRIGGERS``)."""
+"""Index the rows the triggers noted, in three statements whatever their number (see ``_TRIGGERS``); each
+reads the queue and, by primary key, only the rows it names."""
 _SEARCH = (
     "SELECT m.message_id, m.body FROM threadline_message_fts AS f "
     "JOIN threadline_messages AS m ON m.row_id = f.rowid "

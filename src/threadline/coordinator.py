@@ -209,8 +209,13 @@ class Waiters:
 
 def quiet(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
     """Mark a future's exception retrieved, so an unawaited ticket field never logs a warning."""
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    future.add_done_callback(_retrieve)
     return future
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:

@@ -46,7 +46,10 @@ def evolve(record: R, changes: Mapping[str, Any]) -> R:
     values.update(changes)
     _set(new, "__dict__", values)
     _set(new, "__pydantic_extra__", None)
-    _set(new, "__pydantic_fields_set__", record.__pydantic_fields_set__ | changes.keys())
+    fields_set = record.__pydantic_fields_set__
+    if not fields_set.issuperset(changes):  # shared otherwise: nothing changes a frozen record's set in place
+        fields_set = fields_set | changes.keys()
+    _set(new, "__pydantic_fields_set__", fields_set)
     _set(new, "__pydantic_private__", None)
     return new
 

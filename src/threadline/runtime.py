@@ -719,7 +719,8 @@ class AgentRuntime:
                 )
             )
         control = RunControl(run.id)
-        if self.closing:  # started by an admission that raced close(): it ends at once, as close() ends runs
+        if started is not None and self.closing:
+            # its admission raced close(), which could not see it: it ends at once, as close() ends runs
             control.abort("shutdown")
         lane.control = control
         prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)

@@ -748,6 +748,44 @@ async def test_search_messages_finds_settled_text_only(db: Path) -> None:
         assert [m.id for m in await sqlite.search_messages("other", "fox")] == ["o1:out"]
 
 
+async def test_a_record_a_caller_changed_in_place_is_not_what_the_store_reads_back(db: Path) -> None:
+    """Records are frozen, but their JSON containers (a tool call's input, metadata) are plain dicts. The
+    driver reuses the message records it wrote; one a caller has changed in place is read from its row."""
+    call = [{"type": "tool-call", "call_id": "c1", "tool_name": "lookup", "input": {"query": "kept"}}]
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store = sqlite.store
+        accepted = await store.accept_input_and_assign_run(
+            conversation_id="c", idempotency_key="k", input={"id": "in", "parts": text("q"), "metadata": {"a": 1}}
+        )
+        acquired = await store.acquire_run(
+            conversation_id="c", run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
+        )
+        written = await store.checkpoint_run_assistant(
+            conversation_id="c",
+            run_id=acquired.run.id,
+            expected_revision=acquired.run.revision,
+            owner_id=OWNER,
+            fencing_token=acquired.run.fencing_token,
+            parts=call,
+        )
+        assert written.assistant is not None
+        written.assistant.parts[0].input["query"] = "tampered"  # type: ignore[union-attr]
+        accepted.receipt.input.metadata["a"] = 2
+        done = await store.commit_run_terminal(
+            conversation_id="c",
+            run_id=written.run.id,
+            expected_revision=written.run.revision,
+            owner_id=OWNER,
+            fencing_token=written.run.fencing_token,
+            terminal_reason="success",
+        )
+        assert done.assistant is not None
+        assert done.assistant.parts[0].input == {"query": "kept"}  # type: ignore[union-attr]
+        stored = {m.id: m for m in (await store.load_snapshot(conversation_id="c")).messages}
+        assert stored[done.assistant.id].parts[0].input == {"query": "kept"}  # type: ignore[union-attr]
+        assert stored["in"].metadata == {"a": 1}
+
+
 async def test_indexing_settled_messages_reads_only_the_rows_it_indexes(db: Path) -> None:
     """The full-text flush before every COMMIT costs what it indexes, not what the file holds: its plan
     scans only the queue and reaches messages by primary key (an unlucky plan scanned every settled

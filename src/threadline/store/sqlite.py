@@ -396,14 +396,16 @@ class _SqliteRows:
     An operation that only reads needs no savepoint. ``wrote`` records that the operation wrote.
 
     ``known`` holds the rows this connection wrote last, by key: heads and runs as their (immutable)
-    records, messages as their stored JSON (a message holds JSON containers a caller could mutate, so it
-    is decoded afresh at every read). A store operation mostly reads what the one before it wrote, so
-    those reads need no statement, and a run a range query returns is not decoded again. Ended runs are
-    not kept (they are seldom read again, and every record kept alive is work for the garbage
-    collector). The entries are exactly the rows in the database as long as nothing
-    else wrote it: every transaction begins with ``check_known`` (``PRAGMA data_version`` moves when
-    another connection commits), and anything rolled back (an operation's savepoint, a failed ``COMMIT``)
-    or deleted (a purge) empties it. Bounded: ``_KNOWN_ROWS`` entries, then it starts again empty.
+    records, messages as their stored JSON beside the record. A message holds JSON containers a caller
+    could change in place, so a known message is encoded again before it is handed out (a few times
+    cheaper than decoding it) and decoded afresh from its row when the two differ. A store operation
+    mostly reads what the one before it wrote, so those reads need no statement, and a run a range query
+    returns is not decoded again. Ended runs are not kept (they are seldom read again, and every record
+    kept alive is work for the garbage collector). The entries are exactly the rows in the database as
+    long as nothing else wrote it: every transaction begins with ``check_known`` (``PRAGMA data_version``
+    moves when another connection commits), and anything rolled back (an operation's savepoint, a failed
+    ``COMMIT``) or deleted (a purge) empties it. Bounded: ``_KNOWN_ROWS`` entries, then it starts again
+    empty.
     """
 
     def __init__(self, conn: sqlite3.Connection) -> None:
@@ -550,9 +552,16 @@ class _SqliteRows:
         cid = r.conversation_id
         ids = tuple(dict.fromkeys(r.message_ids))
         known = self.known
-        bodies = [known.get(("m", cid, message_id)) for message_id in ids]
-        if None not in bodies:
-            return self._messages(cid, zip(ids, bodies, strict=True))
+        entries = [known.get(("m", cid, message_id)) for message_id in ids]
+        if None not in entries:
+            out = []
+            for message_id, (body, message) in zip(ids, entries, strict=True):  # type: ignore[misc]
+                if message.__pydantic_serializer__.to_json(message).decode() != body:
+                    # a caller changed the record's JSON containers in place: the row is what counts
+                    (message,) = self._messages(cid, ((message_id, body),))
+                    known["m", cid, message_id] = (body, message)
+                out.append(message)
+            return out
         if len(ids) == 1:
             return self._messages(cid, self.conn.execute(_MESSAGE, (cid, ids[0])).fetchall())
         found: dict[str, Message] = {}
@@ -675,8 +684,8 @@ class _SqliteRows:
                     conn.execute(_UPSERT_MESSAGE, messages[0])
                 else:
                     conn.executemany(_UPSERT_MESSAGE, messages)
-                for row in messages:
-                    known["m", row[0], row[1]] = row[8]
+                for row, msg in zip(messages, m.messages, strict=True):
+                    known["m", row[0], row[1]] = (row[8], msg)
             if m.receipts:
                 conn.executemany(
                     _INSERT_RECEIPT,

@@ -108,7 +108,7 @@ from .tools import (
     create_agent_tool_fence_lifecycle,
     error_envelope,
 )
-from .usage import AgentUsage
+from .usage import NO_USAGE, AgentUsage
 
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
 PROGRESS_MIN_INTERVAL = 0.25
@@ -552,7 +552,7 @@ class _Execution:
         """The first request's ``started`` phase when the acquisition recorded it (with an empty draft);
         step 0 then needs no admission commit of its own."""
         self.parts: list[Part] = []
-        self.usage = AgentUsage()
+        self.usage = NO_USAGE
         self.claims: dict[str, AbsorbClaim] = {}
         self.steps = 0
         self.attempt = 1

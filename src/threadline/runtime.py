@@ -519,13 +519,15 @@ class AgentRuntime:
                 raise AgentRecordValidationError(f"record_ids has unknown keys {sorted(unknown)}", field="record_ids")
             parsed_context = self.protocol.parse_context(context)
             metadata = self.protocol.parse_input_metadata(input_metadata)
-            raw = AgentRuntimeInput(
-                conversation_id=conversation_id,
-                idempotency_key=idempotency_key,
-                context=context,
-                parts=tuple(parts),
-                input_metadata=input_metadata,
-            )
+            raw = None  # built only for a callback that looks at it
+            if (policy is None and callable(self.runs.input_policy)) or self._preflight is not None:
+                raw = AgentRuntimeInput(
+                    conversation_id=conversation_id,
+                    idempotency_key=idempotency_key,
+                    context=context,
+                    parts=tuple(parts),
+                    input_metadata=input_metadata,
+                )
             if policy is None:
                 policy = self.runs.input_policy(raw) if callable(self.runs.input_policy) else self.runs.input_policy
             if policy not in INPUT_POLICIES:

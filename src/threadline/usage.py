@@ -191,12 +191,12 @@ class AgentUsage(BaseModel):
 
     def _add_cost(self, other: AgentUsage) -> AgentCost:
         if self._cost_poisoned() or other._cost_poisoned():
-            return AgentCost()  # sticky: one unreported step makes the total unknown, not smaller
+            return _NO_COST  # sticky: one unreported step makes the total unknown, not smaller
         known = [c for c in (self.cost, other.cost) if c.amount is not None]
         if not known:
-            return AgentCost()
+            return _NO_COST
         if len({c.currency for c in known}) > 1:
-            return AgentCost()  # two currencies do not add, and nothing converts one into the other
+            return _NO_COST  # two currencies do not add, and nothing converts one into the other
         return AgentCost(
             amount=sum((c.amount for c in known if c.amount is not None), Decimal(0)),
             currency=known[0].currency,
@@ -250,3 +250,8 @@ def _estimated_cost(response: ModelResponse) -> AgentCost | None:
         return None  # and never fails the run that asked for it
     amount = _decimal(price.total_price)
     return AgentCost(amount=amount, currency=USD, provenance="estimated") if amount is not None else None
+
+
+_NO_COST = AgentCost()
+NO_USAGE = AgentUsage()
+"""Nothing spent yet (frozen, so one instance serves every run)."""

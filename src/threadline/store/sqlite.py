@@ -687,10 +687,11 @@ class _SqliteRows:
                 for row, msg in zip(messages, m.messages, strict=True):
                     known["m", row[0], row[1]] = (row[8], msg)
             if m.receipts:
-                conn.executemany(
-                    _INSERT_RECEIPT,
-                    [(x.conversation_id, x.idempotency_key, x.input.id, encode(x)) for x in m.receipts],
-                )
+                receipts = [(x.conversation_id, x.idempotency_key, x.input.id, encode(x)) for x in m.receipts]
+                if len(receipts) == 1:
+                    conn.execute(_INSERT_RECEIPT, receipts[0])
+                else:
+                    conn.executemany(_INSERT_RECEIPT, receipts)
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
         except sqlite3.IntegrityError as error:

@@ -91,6 +91,9 @@ class AgentHistoryProjectionOptions(_Options):
     """Reasoning (and tool-call envelopes) is sent back only to the provider that produced it."""
 
 
+_NOT_GIVEN: Any = object()
+
+
 class AgentProjectionDecision(_Options):
     message_id: str
     action: Literal["projected", "omitted"]
@@ -242,7 +245,8 @@ class _Projector:
         for m in order:
             decided = self.decisions.get(m.id)
             if decided is not None:
-                action, reason, omitted, kw = decided
+                action, reason, omitted, detail = decided
+                kw = {} if detail is _NOT_GIVEN else {"detail": detail}
                 decisions.append(
                     AgentProjectionDecision(
                         message_id=m.id, action=action, reason=reason, omitted_parts=omitted or [], **kw
@@ -250,8 +254,11 @@ class _Projector:
                 )
         return AgentHistoryProjection(messages=list(self.built), system=list(self.system), decisions=decisions)
 
-    def _decide(self, m: Message, action: str, reason: str, omitted: list[str] | None = None, **kw: Any) -> None:
-        self.decisions[m.id] = (action, reason, omitted, kw)
+    def _decide(
+        self, m: Message, action: str, reason: str, omitted: list[str] | None = None, detail: Any = _NOT_GIVEN
+    ) -> None:
+        # a plain tuple: kept for every message of a cached history, so no dict per decision
+        self.decisions[m.id] = (action, reason, omitted, detail)
 
     def _emit(self, kind: _Kind, parts: list[Any]) -> None:
         """Adjacent requests merge; adjacent responses merge (neither holds an unanswered call, since every

@@ -59,7 +59,7 @@ from .loop import (
 )
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
-from .records import PARTS_ADAPTER, Message, Run
+from .records import PARTS_ADAPTER, Message, Run, RunOperation
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
@@ -543,7 +543,7 @@ class AgentRuntime:
             # in one commit (the store starts it only if nothing is queued or running there durably)
             idle = self.lanes.get(conversation_id)
             start = self.runs.execute and (idle is None or (not idle.busy and not idle.contexts))
-            first = model_request(0) if start and self.loop_settings.compaction is None else None
+            first = self._first_request() if start else None
             accepted = await self.store.accept_input_and_assign_run(
                 conversation_id=conversation_id,
                 idempotency_key=idempotency_key,
@@ -681,9 +681,7 @@ class AgentRuntime:
             acquired = RunResult(run=started[0], version=started[1])
             first = started[2]
         else:
-            # the first request's admission rides on the acquisition (one commit less per run), unless a
-            # compaction hook may write between the two
-            first = model_request(0) if self.loop_settings.compaction is None else None
+            first = self._first_request()
             try:
                 acquired = await self.retry_store(
                     lambda: self.store.acquire_run(
@@ -843,6 +841,11 @@ class AgentRuntime:
             return
         self._publish_run_state(abandoned.run, abandoned.version)
         self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+
+    def _first_request(self) -> RunOperation | None:
+        """Step 0's request admission, to ride on the run's acquisition (one commit less per run); None
+        with a compaction hook, which may write between the two."""
+        return model_request(0) if self.loop_settings.compaction is None else None
 
     def _lease_expiry(self) -> datetime | None:
         if self.runs.lease_duration is None:

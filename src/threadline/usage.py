@@ -89,9 +89,6 @@ def _figure(value: int | None, provenance: Provenance, floor: bool = False) -> U
     return figure
 
 
-_UNAVAILABLE = UsageFigure()
-
-
 def _total_provenance(*provenances: Provenance) -> Provenance:
     """A sum is ``computed`` unless one of its known parts was a guess."""
     return "estimated" if "estimated" in provenances else "computed"
@@ -173,7 +170,7 @@ class AgentUsage(BaseModel):
         for name in TOKEN_FIELDS:
             a, b = mine[name], theirs[name]
             if a.value is None and b.value is None:
-                figures[name] = _UNAVAILABLE
+                figures[name] = _figure(None, "unavailable")
                 continue
             missing = self._token_missing(a) or other._token_missing(b)
             if a.value is None or b.value is None:

@@ -95,6 +95,18 @@ def drive(operation: Generator[Any, Any, Any], answer: Any) -> tuple[list[Any], 
         return requests, done.value
 
 
+NEW_CONVERSATION: dict[type, Any] = {
+    LoadHead: HeadState(None),
+    LoadReceipt: None,
+    LoadReceiptByInput: None,
+    LoadMessages: [],
+    ListActiveRuns: [],
+    LoadRuns: [],
+    Write: None,
+}
+"""Answers for an admission into a conversation that does not exist yet: nothing is found."""
+
+
 def draft(message_id: str, text: str) -> MessageDraft:
     return MessageDraft(id=message_id, parts=(TextPart(text=text),))
 
@@ -108,15 +120,7 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
         assistant_message_id="a_1",
         now=NOW,
     )
-    answers = {
-        LoadHead: HeadState(None),
-        LoadReceipt: None,
-        LoadReceiptByInput: None,
-        LoadMessages: [],
-        ListActiveRuns: [],
-        LoadRuns: [],
-        Write: None,
-    }
+    answers = NEW_CONVERSATION
     requests, result = drive(op, lambda r: answers[type(r)])
 
     assert [type(r) for r in requests] == [
@@ -165,15 +169,7 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
 def test_ids_drawn_fresh_are_not_looked_up() -> None:
     """Ids the caller just drew at random cannot exist yet: the reads that look for them are skipped, and
     only for those ids."""
-    answers = {
-        LoadHead: HeadState(None),
-        LoadReceipt: None,
-        LoadReceiptByInput: None,
-        LoadMessages: [],
-        ListActiveRuns: [],
-        LoadRuns: [],
-        Write: None,
-    }
+    answers = NEW_CONVERSATION
 
     def requests_with(fresh: frozenset[str]) -> list[type]:
         op = reducer.accept_input_and_assign_run(

@@ -151,35 +151,36 @@ class RunControl:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.abort_reason: str | None = None
-        self._aborted = asyncio.Event()
-        self._cut: dict[asyncio.Future[Any], bool] = {}  # abortable work in flight -> cancelled by abort
+        self._aborted: asyncio.Event | None = None  # made by the first ``wait``: seldom anyone waits
+        self._cut: dict[asyncio.Task[Any], bool] = {}  # task awaiting abortable work -> cancelled by the abort
         self.injections: list[str] = []
 
     def abort(self, reason: str) -> None:
         if self.abort_reason is None:
             self.abort_reason = reason
-            self._aborted.set()
-            for work in tuple(self._cut):
-                self._cut[work] = work.cancel()
+            if self._aborted is not None:
+                self._aborted.set()
+            for task in tuple(self._cut):
+                self._cut[task] = task.cancel()
 
     @property
     def aborted(self) -> bool:
         return self.abort_reason is not None
 
     async def wait(self) -> None:
+        if self._aborted is None:
+            self._aborted = asyncio.Event()
+            if self.aborted:
+                self._aborted.set()
         await self._aborted.wait()
 
-    def watch(self, work: asyncio.Future[Any]) -> None:
-        """Cancel ``work`` when the run is aborted (at once if it already is) until :meth:`unwatch`."""
-        self._cut[work] = work.cancel() if self.aborted else False
+    def watch(self, task: asyncio.Task[Any]) -> None:
+        """Cancel ``task`` if the run is aborted before :meth:`unwatch` (the run is not aborted yet)."""
+        self._cut[task] = False
 
-    def cut(self, work: asyncio.Future[Any]) -> bool:
-        """Whether the abort cancelled ``work`` while it was still running."""
-        return self._cut.get(work, False)
-
-    def unwatch(self, work: asyncio.Future[Any]) -> bool:
-        """Stop watching ``work``; returns :meth:`cut` as it was."""
-        return self._cut.pop(work, False)
+    def unwatch(self, task: asyncio.Task[Any]) -> bool:
+        """Stop watching ``task``; returns whether the abort cancelled it meanwhile."""
+        return self._cut.pop(task, False)
 
     def offer_injection(self, run_id: str) -> None:
         """An ``inject`` input's queued run may join this run at its next step boundary."""
@@ -189,6 +190,14 @@ class RunControl:
 
 class _Aborted(Exception):
     pass
+
+
+async def _take_back_cancel(task: asyncio.Task[Any]) -> None:
+    """The abort's cancellation of ``task`` never surfaced (the work swallowed it, or it is still pending
+    because the abort came from inside the task): withdraw it, and let one still pending land here."""
+    if task.uncancel() == 0 and task._must_cancel:  # type: ignore[attr-defined]
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0)
 
 
 class _FenceLost(Exception):
@@ -585,22 +594,32 @@ class _Execution:
         )
 
     async def _abortable(self, work: Awaitable[Any]) -> Any:
-        """Run ``work`` until it finishes or the run is aborted (then cancel it and raise ``_Aborted``).
-        The abort cancels the work's task directly (no watcher task per call); cancelling the caller
-        cancels the work too."""
+        """Await ``work`` in this task until it finishes or the run is aborted (then raise ``_Aborted``).
+        The abort cancels this task while it waits inside ``work``; that cancellation is taken back here,
+        so only a cancellation from elsewhere (the runtime closing) travels on."""
         control = self.control
-        task = asyncio.ensure_future(work)
+        if control.aborted:  # never started, as a task cancelled before its first step
+            if inspect.iscoroutine(work):
+                work.close()
+            elif isinstance(work, asyncio.Future):
+                work.cancel()
+            raise _Aborted()
+        task = asyncio.current_task()
+        assert task is not None
         control.watch(task)
         try:
-            result = await task
-        except BaseException:  # after the abort's cancel, whatever the work raised means: aborted
-            current = asyncio.current_task()
-            if control.cut(task) and (current is None or not current.cancelling()):
+            result = await work
+        except asyncio.CancelledError:
+            if control.unwatch(task) and task.uncancel() == 0:
                 raise _Aborted() from None
             raise
-        finally:
-            cut = control.unwatch(task)
-        if cut:  # the work ignored the abort's cancellation and finished anyway: the run still stops
+        except BaseException:
+            if control.unwatch(task):  # cancelled by the abort; what the work raised instead means: aborted
+                await _take_back_cancel(task)
+                raise _Aborted() from None
+            raise
+        if control.unwatch(task):  # the work ignored the abort's cancellation and finished anyway
+            await _take_back_cancel(task)
             raise _Aborted()
         return result
 
@@ -1087,7 +1106,10 @@ class _Execution:
             settings = env.settings
             self.owned.vouched = settings.tool_lifecycle is None and not callable(settings.tool_approval)
             try:
-                results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
+                if len(direct) == 1:
+                    results = [await self._abortable(self._call_tool(by_name, direct[0]))]
+                else:
+                    results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
             finally:
                 self.owned.vouched = False
             self.parts.extend(results)

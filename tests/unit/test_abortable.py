@@ -122,3 +122,53 @@ async def test_a_gathered_batch_is_cancelled_as_a_whole() -> None:
     with pytest.raises(_Aborted):
         await waiting
     assert sorted(cancelled) == [1, 2]
+
+
+async def test_an_abort_from_inside_the_work_leaves_no_cancellation_behind() -> None:
+    # the work aborts its own run and returns without waiting again: the abort's cancellation never
+    # reached it, and must not reach whatever the run does next (its terminal commit)
+    control = RunControl("r")
+
+    async def work() -> str:
+        await asyncio.sleep(0)
+        control.abort("interrupted")
+        return "done"
+
+    async def run() -> str:
+        with pytest.raises(_Aborted):
+            await abortable(control, work())
+        await asyncio.sleep(0.01)  # the run's next await (its terminal commit) is not cancelled
+        return "terminal committed"
+
+    task = asyncio.ensure_future(run())
+    assert await task == "terminal committed"
+    assert task.cancelling() == 0
+
+
+async def test_an_abort_from_inside_the_work_cancels_its_next_wait() -> None:
+    control = RunControl("r")
+    cancelled = asyncio.Event()
+
+    async def work() -> None:
+        await asyncio.sleep(0)
+        control.abort("interrupted")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(_Aborted):
+        await asyncio.wait_for(abortable(control, work()), 5)
+    assert cancelled.is_set()
+
+
+async def test_an_abort_and_a_cancellation_of_the_caller_together_stay_a_cancellation() -> None:
+    control = RunControl("r")
+    slow = Slow()
+    waiting = asyncio.ensure_future(abortable(control, slow.work()))
+    await slow.started.wait()
+    control.abort("interrupted")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting

@@ -570,6 +570,8 @@ class _Execution:
         self._finished_calls: set[str] = set()
         self._lifecycle = compose_tool_lifecycle()
         self._prefix_call_ids: Any = frozenset()
+        self._draft: Message | None = None
+        """This run's assistant as each request sees it (built once; every step swaps in its parts)."""
         self._last_step: tuple[RunOperation | None, RunOperation] | None = None
         """(first output, completion) of a final step: the terminal commit records them (one commit)."""
 
@@ -656,18 +658,19 @@ class _Execution:
         joined = set(self.claims)
         tail = [m for m in view.tail(self.run.id) if m.id != self.run.assistant_message_id]
         tail += [m for m in view.messages_of(joined) if m.role == "user"]
-        tail.append(
-            Message(
+        draft = self._draft
+        if draft is None or draft.id != self.run.assistant_message_id:
+            draft = self._draft = Message(
                 id=self.run.assistant_message_id,
                 conversation_id=self.run.conversation_id,
                 role="assistant",
                 status="completed",
-                parts=tuple(self.parts),
+                parts=(),
                 run_id=self.run.id,
                 created_at=self.run.created_at,
                 seq=0,
             )
-        )
+        tail.append(evolve(draft, {"parts": tuple(self.parts)}))
         options = self.env.projection_options
         if model.provider_name != options.provider_name:
             options = self.env.projection_options_for(model.provider_name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Annotated, Any, Literal, TypeAlias, TypeVar
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
@@ -176,6 +176,8 @@ Part = Annotated[
     Field(discriminator="type"),
 ]
 PARTS_ADAPTER: TypeAdapter[list[Part]] = TypeAdapter(list[Part])
+PART_TYPES = frozenset(get_args(get_args(Part)[0]))
+"""The part classes: an instance of one is a valid part as it is (records are never revalidated)."""
 
 # --------------------------------------------------------------------------------------------- messages
 

@@ -125,15 +125,15 @@ class AgentUsage(BaseModel):
         all ``unavailable``. Prefer :meth:`from_response`, which also knows the cost."""
         if usage is None or usage.unmeasured_requests or (usage.input_tokens == 0 and usage.output_tokens == 0):
             return cls.unreported()
-        values = {
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "cache_read_tokens": usage.cache_read_tokens,
-            "cache_write_tokens": usage.cache_write_tokens,
-            "reasoning_tokens": usage.output_reasoning_tokens,
-        }
-        figures = {k: _figure(v, "provider-reported") for k, v in values.items()}
-        return cls(steps=1, **figures)
+        reported = "provider-reported"
+        return cls(
+            steps=1,
+            input_tokens=_figure(usage.input_tokens, reported),
+            output_tokens=_figure(usage.output_tokens, reported),
+            cache_read_tokens=_figure(usage.cache_read_tokens, reported),
+            cache_write_tokens=_figure(usage.cache_write_tokens, reported),
+            reasoning_tokens=_figure(usage.output_reasoning_tokens, reported),
+        )
 
     @classmethod
     def from_response(cls, response: ModelResponse | None) -> AgentUsage:
@@ -165,21 +165,30 @@ class AgentUsage(BaseModel):
     def __add__(self, other: object) -> AgentUsage:
         if not isinstance(other, AgentUsage):
             return NotImplemented
+        # one pass, no helper calls: a run adds every step's usage (``_token_missing`` and
+        # ``_total_provenance`` say the same rules one field at a time)
         figures: dict[str, Any] = {}
         mine, theirs = self.__dict__, other.__dict__
+        my_steps, their_steps = self.steps > 0, other.steps > 0
         for name in TOKEN_FIELDS:
             a, b = mine[name], theirs[name]
-            if a.value is None and b.value is None:
-                figures[name] = _figure(None, "unavailable")
-                continue
-            missing = self._token_missing(a) or other._token_missing(b)
-            if a.value is None or b.value is None:
-                known = a if b.value is None else b
-                figures[name] = _figure(known.value, _total_provenance(known.provenance), missing)
+            av, bv = a.value, b.value
+            if av is None:
+                if bv is None:
+                    figures[name] = _UNAVAILABLE
+                    continue
+                value, estimated = bv, b.provenance == "estimated"
+            elif bv is None:
+                value, estimated = av, a.provenance == "estimated"
             else:
-                figures[name] = _figure(a.value + b.value, _total_provenance(a.provenance, b.provenance), missing)
+                value, estimated = av + bv, a.provenance == "estimated" or b.provenance == "estimated"
+            missing = a.floor or b.floor or (av is None and my_steps) or (bv is None and their_steps)
+            figures[name] = _figure(value, "estimated" if estimated else "computed", missing)
         figures["cost"] = self._add_cost(other)
-        return AgentUsage(steps=self.steps + other.steps, complete=self.complete and other.complete, **figures)
+        figures["steps"] = self.steps + other.steps
+        figures["complete"] = self.complete and other.complete
+        # every value above is already a valid field value: no need to validate the sum again
+        return evolve(NO_USAGE, figures)
 
     def __radd__(self, other: object) -> AgentUsage:
         if other == 0:  # sum(usages) starts from 0
@@ -250,5 +259,6 @@ def _estimated_cost(response: ModelResponse) -> AgentCost | None:
 
 
 _NO_COST = AgentCost()
+_UNAVAILABLE = _figure(None, "unavailable")
 NO_USAGE = AgentUsage()
 """Nothing spent yet (frozen, so one instance serves every run)."""

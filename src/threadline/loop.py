@@ -18,6 +18,7 @@ the run belongs to someone else now.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import inspect
@@ -428,7 +429,9 @@ class _OwnedRun:
         """Set while the tool calls that start right after a step's finish commit pass their fence: that
         compare-and-swap verified owner and fencing token, and nothing could run in between (no
         application hook awaited), so the fence needs no read of its own."""
-        self._lock = asyncio.Lock()
+        # serializes owned writes like an asyncio.Lock, with no coroutine on the free path (every write)
+        self._busy = False
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def _still_owned(self) -> Run | None:
         """The run as stored now, if this execution still owns it (same owner and fencing token, acquired);
@@ -450,23 +453,28 @@ class _OwnedRun:
 
     async def _owned(self, mutate: Callable[..., Awaitable[Any]], **fields: Any) -> Any:
         """One owned mutation of the run (``mutate`` is a store method taking the run's identity, expected
-        revision, owner and fencing token, plus ``fields``), serialized with the run's other owned writes."""
-        async with self._lock:
-            for attempt in range(3):
+        revision, owner and fencing token, plus ``fields``), serialized with the run's other owned writes.
+        A failing store call is retried as :func:`with_store_retry` does."""
+        if self._busy:  # another owned write (a lease renewal, say) is in flight: wait for it
+            await self._wait_turn()
+        self._busy = True
+        try:
+            delays = iter(STORE_RETRY_DELAYS)
+            conflicts = 0
+            while True:
                 run = self.run
                 try:
-                    result = await with_store_retry(
-                        lambda run=run: mutate(
-                            conversation_id=run.conversation_id,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            owner_id=self.env.owner_id,
-                            fencing_token=run.fencing_token,
-                            **fields,
-                        )
+                    result = await mutate(
+                        conversation_id=run.conversation_id,
+                        run_id=run.id,
+                        expected_revision=run.revision,
+                        owner_id=self.env.owner_id,
+                        fencing_token=run.fencing_token,
+                        **fields,
                     )
                 except AgentRunRevisionConflictError as error:
-                    if attempt == 2:
+                    conflicts += 1
+                    if conflicts == 3:
                         raise _Failure("storage_conflict", error) from error
                     current = await self._still_owned()
                     if current is None:
@@ -477,11 +485,40 @@ class _OwnedRun:
                     raise _FenceLost(error) from error
                 except AgentStoreConflictError as error:
                     raise _Failure("storage_conflict", error) from error
-                except Exception as error:  # the store failed: the run cannot continue durably
+                except _DECISIONS as error:
                     raise _Failure("runtime_failure", error) from error
+                except Exception as error:  # the store failed: retried, then the run cannot continue durably
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise _Failure("runtime_failure", error) from error
+                    await asyncio.sleep(delay)
+                    continue
                 self.run = result.run
                 return result
-            raise AssertionError("unreachable")
+        finally:
+            self._pass_turn()
+
+    async def _wait_turn(self) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        try:
+            await future
+        except BaseException:
+            if future.done() and not future.cancelled():  # the turn was handed to us: hand it on
+                self._pass_turn()
+            else:  # still queued, unless the turn was passed over it already
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(future)
+            raise
+
+    def _pass_turn(self) -> None:
+        """End an owned write: hand the turn to the next waiting one (it stays busy), or free it."""
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
+        self._busy = False
 
     async def checkpoint(
         self, parts: Sequence[Part], operation: RunOperation | None = None, preceding: RunOperation | None = None

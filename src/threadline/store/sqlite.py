@@ -1225,21 +1225,6 @@ class SqliteStoreDriver:
         await future
         return _unbox(box)
 
-    async def _gathered(self, operation: Operation[Any], access: Access, stats: OperationStats) -> Any:
-        """Hold the operation until the event loop has run what is ready now (``_flush``): everything
-        gathered by then commits together, here on the calling thread when the worker is idle and nothing
-        waits for it, else on the worker."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        box: list[Any] = []
-        pending = self._gathering.get(loop)
-        if pending is None:
-            pending = self._gathering[loop] = []
-            loop.call_soon(self._flush, loop)
-        pending.append((_JOB_OP, operation, access, stats, loop, future, box))
-        await future
-        return _unbox(box)
-
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         jobs = self._gathering.pop(loop, None)
         if not jobs:  # close took them first
@@ -1289,9 +1274,21 @@ class SqliteStoreDriver:
         withdraw the operation: once queued it runs, and it may still commit (with its batch) — the caller
         cannot tell whether it did; read back or retry with the same identity.
         """
-        if access == "read" or self._inline_writes:
-            return await self._gathered(operation(), access, stats)  # type: ignore[no-any-return]
-        return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
+        if not (access == "read" or self._inline_writes):
+            return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
+        # Gathered: held until the event loop has run what is ready now (``_flush``); everything gathered
+        # by then commits together, here on the calling thread when the worker is idle and nothing waits
+        # for it, else on the worker.
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        box: list[Any] = []
+        pending = self._gathering.get(loop)
+        if pending is None:
+            pending = self._gathering[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append((_JOB_OP, operation(), access, stats, loop, future, box))
+        await future
+        return _unbox(box)  # type: ignore[no-any-return]
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
         if not isinstance(conversation_id, str) or not conversation_id:

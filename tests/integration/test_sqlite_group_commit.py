@@ -362,12 +362,12 @@ class FaultyConnection:
 async def faulty(db: Path) -> Any:
     async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
         rows = sqlite.driver._rows  # the fault is injected between the driver and SQLite
-        real = rows.conn
-        rows.conn = FaultyConnection(real)  # type: ignore[assignment]
+        real, cursor = rows.conn, rows.cur
+        rows.conn = rows.cur = FaultyConnection(real)  # type: ignore[assignment]
         try:
             yield sqlite, rows.conn
         finally:
-            rows.conn = real
+            rows.conn, rows.cur = real, cursor
 
 
 async def test_a_failed_commit_fails_every_answer_that_depended_on_it(db: Path, faulty: Any) -> None:

@@ -410,6 +410,7 @@ class _SqliteRows:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self.cur = conn.cursor()  # one cursor for every statement: no cursor object per statement
         self.known: dict[tuple[str, ...], Any] = {}
         self.data_version: int | None = None
         self.writable = False
@@ -423,13 +424,13 @@ class _SqliteRows:
         if not self.writable:
             raise AssertionError(f"a read operation {what}")
         if self.isolate and not self.savepoint:
-            self.conn.execute(_SAVEPOINT)
+            self.cur.execute(_SAVEPOINT)
             self.savepoint = True
         self.wrote = True
 
     def check_known(self) -> None:
         """At the start of a transaction: forget the known rows if another connection committed since."""
-        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        version = self.cur.execute("PRAGMA data_version").fetchone()[0]
         if version != self.data_version:
             self.known.clear()
             self.data_version = version
@@ -443,7 +444,7 @@ class _SqliteRows:
         transaction (so it sees what the operations before it settled)."""
         if self.fts_pending:
             for sql in _FTS_FLUSH:
-                self.conn.execute(sql)
+                self.cur.execute(sql)
             self.fts_pending = False
 
     # ------------------------------------------------------------------ decoding rows of one table
@@ -514,10 +515,10 @@ class _SqliteRows:
         head = self.known.get(("h", r.conversation_id))
         if head is not None:
             return HeadState(head)
-        row = self.conn.execute(_HEAD, (r.conversation_id,)).fetchone()
+        row = self.cur.execute(_HEAD, (r.conversation_id,)).fetchone()
         if row is not None:
             return HeadState(self._head(r.conversation_id, row[0]))
-        purged = self.conn.execute(_TOMBSTONE, (r.conversation_id,)).fetchone() is not None
+        purged = self.cur.execute(_TOMBSTONE, (r.conversation_id,)).fetchone() is not None
         return HeadState(None, purged=purged)
 
     def load_runs(self, r: LoadRuns) -> list[Run]:
@@ -527,25 +528,25 @@ class _SqliteRows:
         if None not in runs:
             return runs  # type: ignore[return-value]
         if len(r.run_ids) == 1:
-            return self._runs(cid, self.conn.execute(_RUN, (cid, r.run_ids[0])).fetchall())
+            return self._runs(cid, self.cur.execute(_RUN, (cid, r.run_ids[0])).fetchall())
         found: dict[str, Run] = {}
         for chunk in _chunks(tuple(dict.fromkeys(r.run_ids))):
             sql = _RUNS_IN.format(", ".join("?" * len(chunk)))
-            found.update((run.id, run) for run in self._runs(cid, self.conn.execute(sql, (cid, *chunk)).fetchall()))
+            found.update((run.id, run) for run in self._runs(cid, self.cur.execute(sql, (cid, *chunk)).fetchall()))
         return [found[i] for i in r.run_ids if i in found]
 
     def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
-        return self._runs(r.conversation_id, self.conn.execute(_ACTIVE_RUNS, (r.conversation_id,)).fetchall())
+        return self._runs(r.conversation_id, self.cur.execute(_ACTIVE_RUNS, (r.conversation_id,)).fetchall())
 
     def load_all_runs(self, r: LoadAllRuns) -> list[Run]:
-        return self._runs(r.conversation_id, self.conn.execute(_ALL_RUNS, (r.conversation_id,)).fetchall())
+        return self._runs(r.conversation_id, self.cur.execute(_ALL_RUNS, (r.conversation_id,)).fetchall())
 
     def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None:
-        row = self.conn.execute(_RECEIPT, (r.conversation_id, r.idempotency_key)).fetchone()
+        row = self.cur.execute(_RECEIPT, (r.conversation_id, r.idempotency_key)).fetchone()
         return self._receipt(r.conversation_id, row)
 
     def load_receipt_by_input(self, r: LoadReceiptByInput) -> AdmissionReceipt | None:
-        row = self.conn.execute(_RECEIPT_BY_INPUT, (r.conversation_id, r.input_message_id)).fetchone()
+        row = self.cur.execute(_RECEIPT_BY_INPUT, (r.conversation_id, r.input_message_id)).fetchone()
         return self._receipt(r.conversation_id, row)
 
     def load_messages(self, r: LoadMessages) -> list[Message]:
@@ -563,22 +564,22 @@ class _SqliteRows:
                 out.append(message)
             return out
         if len(ids) == 1:
-            return self._messages(cid, self.conn.execute(_MESSAGE, (cid, ids[0])).fetchall())
+            return self._messages(cid, self.cur.execute(_MESSAGE, (cid, ids[0])).fetchall())
         found: dict[str, Message] = {}
         for chunk in _chunks(ids):
             sql = _MESSAGES_IN.format(", ".join("?" * len(chunk)))
-            rows = self.conn.execute(sql, (cid, *chunk)).fetchall()
+            rows = self.cur.execute(sql, (cid, *chunk)).fetchall()
             found.update((m.id, m) for m in self._messages(cid, rows))
         return [found[i] for i in ids if i in found]
 
     def load_settled_range(self, r: LoadSettledRange) -> list[Message]:
         lo, hi = _clamp(r.lo), _clamp(r.hi)
         return self._messages(
-            r.conversation_id, self.conn.execute(_SETTLED_RANGE, (r.conversation_id, lo, hi)).fetchall()
+            r.conversation_id, self.cur.execute(_SETTLED_RANGE, (r.conversation_id, lo, hi)).fetchall()
         )
 
     def load_seed(self, r: LoadSeed) -> SeedRecord | None:
-        row = self.conn.execute(_SEED, (r.conversation_id, r.seed_key)).fetchone()
+        row = self.cur.execute(_SEED, (r.conversation_id, r.seed_key)).fetchone()
         if row is None:
             return None
         where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={row[0]}"
@@ -590,19 +591,19 @@ class _SqliteRows:
         return seed
 
     def load_history(self, r: LoadHistory) -> list[Message]:
-        return self._messages(r.conversation_id, self.conn.execute(_HISTORY, (r.conversation_id,)).fetchall())
+        return self._messages(r.conversation_id, self.cur.execute(_HISTORY, (r.conversation_id,)).fetchall())
 
     def load_messages_since(self, r: LoadMessagesSince) -> list[Message]:
         sql = _MESSAGES_SINCE if r.include_inactive else _ACTIVE_MESSAGES_SINCE
         version = _clamp(r.version)
-        return self._messages(r.conversation_id, self.conn.execute(sql, (r.conversation_id, version)).fetchall())
+        return self._messages(r.conversation_id, self.cur.execute(sql, (r.conversation_id, version)).fetchall())
 
     def load_runs_since(self, r: LoadRunsSince) -> list[Run]:
-        rows = self.conn.execute(_RUNS_SINCE, (r.conversation_id, _clamp(r.version))).fetchall()
+        rows = self.cur.execute(_RUNS_SINCE, (r.conversation_id, _clamp(r.version))).fetchall()
         return self._runs(r.conversation_id, rows)
 
     def load_unsettled(self, r: LoadUnsettled) -> list[Message]:
-        return self._messages(r.conversation_id, self.conn.execute(_UNSETTLED, (r.conversation_id,)).fetchall())
+        return self._messages(r.conversation_id, self.cur.execute(_UNSETTLED, (r.conversation_id,)).fetchall())
 
     def page_settled(self, r: PageSettled) -> list[Message]:
         sql = "SELECT message_id, body FROM threadline_messages WHERE conversation_id = ? AND position IS NOT NULL"
@@ -616,13 +617,13 @@ class _SqliteRows:
         order = "ASC" if r.direction == "after" else "DESC"
         sql += " ORDER BY " + ", ".join(f"{c} {order}" for c in _SORT_COLUMNS) + " LIMIT ?"
         params.append(r.limit)
-        return self._messages(r.conversation_id, self.conn.execute(sql, params).fetchall())
+        return self._messages(r.conversation_id, self.cur.execute(sql, params).fetchall())
 
     def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]:
         if r.after is None:
-            rows = self.conn.execute(_SCAN_FIRST, (r.limit,)).fetchall()
+            rows = self.cur.execute(_SCAN_FIRST, (r.limit,)).fetchall()
         else:
-            rows = self.conn.execute(_SCAN_AFTER, (r.after[0], r.after[1], r.limit)).fetchall()
+            rows = self.cur.execute(_SCAN_AFTER, (r.after[0], r.after[1], r.limit)).fetchall()
         out: list[Run] = []
         for cid, run_id, body in rows:
             out.extend(self._runs(cid, ((run_id, body),)))
@@ -630,9 +631,9 @@ class _SqliteRows:
 
     def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
         if r.after is None:
-            rows = self.conn.execute(_CONVERSATIONS_FIRST, (r.limit,)).fetchall()
+            rows = self.cur.execute(_CONVERSATIONS_FIRST, (r.limit,)).fetchall()
         else:
-            rows = self.conn.execute(_CONVERSATIONS_AFTER, (r.after, r.limit)).fetchall()
+            rows = self.cur.execute(_CONVERSATIONS_AFTER, (r.after, r.limit)).fetchall()
         return [self._head(cid, body) for cid, body in rows]
 
     def write(self, r: Write) -> None:
@@ -641,7 +642,7 @@ class _SqliteRows:
         if m.head is None:
             raise AssertionError("every mutation writes the conversation head")
         cid = m.head.conversation_id
-        conn = self.conn
+        conn = self.cur
         # plain encoding: ``known`` answers the reads of these rows, and the decoded-record cache would only
         # keep every superseded version alive (work for the garbage collector, no later hit)
         encode = _encode
@@ -706,12 +707,12 @@ class _SqliteRows:
         self.forget()
         cid = (r.conversation_id,)
         for sql in _PURGE:
-            self.conn.execute(sql, cid)
+            self.cur.execute(sql, cid)
         # purged_at is informational wall-clock time; the reducer decided the purge
-        self.conn.execute(_INSERT_TOMBSTONE, (r.conversation_id, datetime.now(UTC).isoformat()))
+        self.cur.execute(_INSERT_TOMBSTONE, (r.conversation_id, datetime.now(UTC).isoformat()))
 
     def search(self, conversation_id: str, query: str, limit: int) -> list[Message]:
-        rows = self.conn.execute(_SEARCH, (query, conversation_id, conversation_id, limit)).fetchall()
+        rows = self.cur.execute(_SEARCH, (query, conversation_id, conversation_id, limit)).fetchall()
         return self._messages(conversation_id, rows)
 
 
@@ -978,7 +979,7 @@ class SqliteStoreDriver:
         conn = rows.conn
         write = any(job[0] == _JOB_OP and job[2] == "write" for job in todo)
         try:
-            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            rows.cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             rows.check_known()
         except sqlite3.Error as error:
             self._rollback(conn)
@@ -1026,7 +1027,7 @@ class SqliteStoreDriver:
         else:
             try:
                 rows.flush_fts()
-                conn.execute("COMMIT")
+                rows.cur.execute("COMMIT")
             except BaseException as error:
                 rows.forget()
                 self._rollback(conn)
@@ -1163,7 +1164,7 @@ class SqliteStoreDriver:
         try:
             result = drive_sync(operation, rows, stats)
             if rows.savepoint:
-                rows.conn.execute(_RELEASE)
+                rows.cur.execute(_RELEASE)
                 rows.savepoint = False
             return result
         except BaseException as error:
@@ -1172,8 +1173,8 @@ class SqliteStoreDriver:
             if rows.savepoint:
                 rows.savepoint = False
                 try:
-                    rows.conn.execute(_ROLLBACK_TO)
-                    rows.conn.execute(_RELEASE)
+                    rows.cur.execute(_ROLLBACK_TO)
+                    rows.cur.execute(_RELEASE)
                 except sqlite3.Error:
                     self._broken = True  # the transaction cannot be trusted: it is rolled back whole
             if isinstance(error, sqlite3.Error):

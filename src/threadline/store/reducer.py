@@ -176,6 +176,9 @@ def _by_id(messages: Iterable[Message]) -> dict[str, Message]:
 
 def _check_owned(run: Run, expected_revision: int, owner_id: str, fencing_token: int, action: str) -> None:
     """An owned mutation needs an acquired run, the same owner and token, and the expected revision."""
+    ours = run.acquired and run.owner_id == owner_id and run.fencing_token == fencing_token
+    if ours and run.revision == expected_revision:
+        return
     ctx = {"conversation_id": run.conversation_id, "run_id": run.id, "actual_revision": run.revision, "run": run}
     if not run.acquired:
         raise AgentRunStateConflictError(f"cannot {action} run {run.id!r}: it is {run.state}", **ctx)

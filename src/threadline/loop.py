@@ -605,7 +605,8 @@ class _Execution:
         self._tools_invoked = False
         self._step_usage: AgentUsage | None = None
         self._finished_calls: set[str] = set()
-        self._lifecycle = compose_tool_lifecycle()
+        self._lifecycle: AgentToolLifecycle | None = None
+        """The application's tool hooks composed with the fence; None without hooks (the fence alone)."""
         self._prefix_call_ids: Any = frozenset()
         self._draft: Message | None = None
         """This run's assistant as each request sees it (built once; every step swaps in its parts)."""
@@ -891,9 +892,14 @@ class _Execution:
         self._transient(
             ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
         )
-        info = AgentToolCall(self.run.conversation_id, self.run.id, call.call_id, call.tool_name, call.input)
+        lifecycle = self._lifecycle
+        info = None
         try:
-            await self._lifecycle.before(info)  # type: ignore[misc]
+            if lifecycle is None:
+                await self.owned.fence()
+            else:
+                info = AgentToolCall(self.run.conversation_id, self.run.id, call.call_id, call.tool_name, call.input)
+                await lifecycle.before(info)  # type: ignore[misc]
             tool = tools.get(call.tool_name)
             if tool is None:
                 raise AppError("UNKNOWN_TOOL", f"no tool named {call.tool_name!r}", hint=f"use one of {sorted(tools)}")
@@ -908,12 +914,14 @@ class _Execution:
                 _durability=self.env.settings.step_durability,
             )
             output = _json_safe(await tool.call(ctx, args))
-            await self._lifecycle.after(info, output)  # type: ignore[misc]
+            if lifecycle is not None:
+                await lifecycle.after(info, output)  # type: ignore[misc]
         except (_FenceLost, _Aborted, _Failure):
             raise
         except Exception as error:
             self._finished_calls.add(call.call_id)
-            await self._lifecycle.on_error(info, error)  # type: ignore[misc]
+            if lifecycle is not None:
+                await lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
             self._transient(
                 ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
@@ -1085,9 +1093,10 @@ class _Execution:
         instructions = await self._callback(env.instructions, self)
         tools = list(await self._callback(env.tools, self))
         by_name = {t.name: t for t in tools}
-        self._lifecycle = compose_tool_lifecycle(
-            env.settings.tool_lifecycle, create_agent_tool_fence_lifecycle(self.owned.fence)
-        )
+        if env.settings.tool_lifecycle is not None:
+            self._lifecycle = compose_tool_lifecycle(
+                env.settings.tool_lifecycle, create_agent_tool_fence_lifecycle(self.owned.fence)
+            )
         if self.env.view.version != self.run.version:
             await with_store_retry(lambda: self.env.view.refresh(self.env.store))
         await self._answer_approvals(by_name)

@@ -360,7 +360,8 @@ class _Conv:
 async def case_duplicate_admission(store: AgentRuntimeStore) -> None:
     """Idempotent admission: a repeated key with the same input returns the original receipt and run and
     writes nothing; the same key with different input, or the same input id under another key, is an
-    AgentIdempotencyConflictError that writes nothing; a run id is never reused."""
+    AgentIdempotencyConflictError that writes nothing; a run id is never reused, and neither is an assistant
+    message id (a stored message's, or the answer an active run will write)."""
     c = _Conv(store, "conv-dup")
     first = await c.admit("a")
     _equal(first.outcome, "accepted", "first admission outcome")
@@ -407,6 +408,20 @@ async def case_duplicate_admission(store: AgentRuntimeStore) -> None:
         "b",
         run_id=c.run("a"),
     )
+    for what, taken in (
+        ("the answer a queued run will write", c.out("a")),
+        ("a stored input's id", c.inp("a")),
+        ("its own input's id", c.inp("b")),
+    ):
+        await _refused(
+            store,
+            c.cid,
+            AgentIdempotencyConflictError,
+            f"a new input whose assistant message id is {what}",
+            c.admit,
+            "b",
+            assistant_message_id=taken,
+        )
     await _refused(
         store,
         c.cid,
@@ -425,6 +440,15 @@ async def case_duplicate_admission(store: AgentRuntimeStore) -> None:
     _equal(after.run, done.run, "duplicate after the terminal returns the terminal run")
     _equal(after.answer, done.assistant, "duplicate after the terminal carries the answer")
     _equal(after.answered_by_run_id, c.run("a"), "answered_by_run_id")
+    await _refused(
+        store,
+        c.cid,
+        AgentIdempotencyConflictError,
+        "a new input whose assistant message id is a settled answer's",
+        c.admit,
+        "b",
+        assistant_message_id=c.out("a"),
+    )
 
 
 @_case("drawn_ids")

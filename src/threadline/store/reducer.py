@@ -338,6 +338,22 @@ def accept_input_and_assign_run(
         raise AgentIdempotencyConflictError(
             f"run id {run_id!r} already exists in conversation {conversation_id!r}", conversation_id=conversation_id
         )
+    # a caller-chosen assistant id names exactly one answer: not the input, not a stored message, not the
+    # answer an active run will write (a queued run has no message yet)
+    if (
+        target is None
+        and assistant_message_id not in fresh_ids
+        and (
+            assistant_message_id == input.id
+            or any(r.assistant_message_id == assistant_message_id for r in active)
+            or (yield LoadMessages(conversation_id, (assistant_message_id,)))
+        )
+    ):
+        raise AgentIdempotencyConflictError(
+            f"assistant message id {assistant_message_id!r} is already used in conversation "
+            f"{conversation_id!r}; choose a new id or let the store draw one",
+            conversation_id=conversation_id,
+        )
 
     seq = head.message_seq + 1
     admission_seq = head.admission_seq + (target is None)

@@ -130,6 +130,7 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
         LoadMessages,
         ListActiveRuns,
         LoadRuns,
+        LoadMessages,
         Write,
     ]
     assert requests[0] == LoadHead("c_1")
@@ -137,6 +138,7 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
     assert requests[2] == LoadReceiptByInput("c_1", "m_1")
     assert requests[3] == LoadMessages("c_1", ("m_1",))
     assert requests[5] == LoadRuns("c_1", ("run_1",))
+    assert requests[6] == LoadMessages("c_1", ("a_1",))  # a caller-chosen assistant id is checked too
 
     mutation: Mutation = requests[-1].mutation
     assert mutation.head is not None
@@ -185,8 +187,9 @@ def test_ids_drawn_fresh_are_not_looked_up() -> None:
         assert result.outcome == "accepted" and result.run.id == "run_1"
         return [type(r) for r in requests]
 
-    assert requests_with(frozenset({"m_1", "run_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, Write]
-    assert requests_with(frozenset({"run_1"})) == [
+    assert requests_with(frozenset({"m_1", "run_1", "a_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, Write]
+    assert requests_with(frozenset({"m_1", "run_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadMessages, Write]
+    assert requests_with(frozenset({"run_1", "a_1"})) == [
         LoadHead,
         LoadReceipt,
         LoadReceiptByInput,
@@ -194,7 +197,7 @@ def test_ids_drawn_fresh_are_not_looked_up() -> None:
         ListActiveRuns,
         Write,
     ]
-    assert requests_with(frozenset({"m_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadRuns, Write]
+    assert requests_with(frozenset({"m_1", "a_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadRuns, Write]
     assert requests_with(frozenset({"someone-else"})) == [
         LoadHead,
         LoadReceipt,
@@ -202,6 +205,7 @@ def test_ids_drawn_fresh_are_not_looked_up() -> None:
         LoadMessages,
         ListActiveRuns,
         LoadRuns,
+        LoadMessages,
         Write,
     ]
 

@@ -183,7 +183,7 @@ class _Projector:
         self.last_kind: _Kind | None = None
         self.has_request = False
         self.system: list[str] = []
-        self.decisions: dict[str, tuple[str, str, list[str] | None, dict[str, Any]]] = {}
+        self.decisions: dict[str, tuple[str, str, tuple[str, ...] | None, Any]] = {}
         """Per message: (action, reason, omitted parts, extra fields); built into records only by ``result``
         (a step's prompt never reads them)."""
         self.call_ids: set[str] | _Overlay = set()
@@ -249,7 +249,7 @@ class _Projector:
                 kw = {} if detail is _NOT_GIVEN else {"detail": detail}
                 decisions.append(
                     AgentProjectionDecision(
-                        message_id=m.id, action=action, reason=reason, omitted_parts=omitted or [], **kw
+                        message_id=m.id, action=action, reason=reason, omitted_parts=list(omitted or ()), **kw
                     )
                 )
         return AgentHistoryProjection(messages=list(self.built), system=list(self.system), decisions=decisions)
@@ -257,8 +257,9 @@ class _Projector:
     def _decide(
         self, m: Message, action: str, reason: str, omitted: list[str] | None = None, detail: Any = _NOT_GIVEN
     ) -> None:
-        # a plain tuple: kept for every message of a cached history, so no dict per decision
-        self.decisions[m.id] = (action, reason, omitted, detail)
+        # a plain tuple of immutable values, kept for every message of a cached history: no dict, and no
+        # empty list, so the garbage collector can stop tracking it
+        self.decisions[m.id] = (action, reason, tuple(omitted) if omitted else None, detail)
 
     def _emit(self, kind: _Kind, parts: list[Any]) -> None:
         """Adjacent requests merge; adjacent responses merge (neither holds an unanswered call, since every

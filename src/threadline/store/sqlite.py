@@ -400,12 +400,12 @@ class _SqliteRows:
     could change in place, so a known message is encoded again before it is handed out (a few times
     cheaper than decoding it) and decoded afresh from its row when the two differ. A store operation
     mostly reads what the one before it wrote, so those reads need no statement, and a run a range query
-    returns is not decoded again. Ended runs are not kept (they are seldom read again, and every record
-    kept alive is work for the garbage collector). The entries are exactly the rows in the database as
-    long as nothing else wrote it: every transaction begins with ``check_known`` (``PRAGMA data_version``
-    moves when another connection commits), and anything rolled back (an operation's savepoint, a failed
-    ``COMMIT``) or deleted (a purge) empties it. Bounded: ``_KNOWN_ROWS`` entries, then it starts again
-    empty.
+    returns is not decoded again. Ended runs and settled messages are not kept (a mutation seldom reads
+    them again, and every record and body kept alive is memory and work for the garbage collector). The
+    entries are exactly the rows in the database as long as nothing else wrote it: every transaction
+    begins with ``check_known`` (``PRAGMA data_version`` moves when another connection commits), and
+    anything rolled back (an operation's savepoint, a failed ``COMMIT``) or deleted (a purge) empties it.
+    Bounded: ``_KNOWN_ROWS`` entries, then it starts again empty.
     """
 
     def __init__(self, conn: sqlite3.Connection) -> None:
@@ -686,7 +686,10 @@ class _SqliteRows:
                 else:
                     conn.executemany(_UPSERT_MESSAGE, messages)
                 for row, msg in zip(messages, m.messages, strict=True):
-                    known["m", row[0], row[1]] = (row[8], msg)
+                    if msg.position is None:
+                        known["m", row[0], row[1]] = (row[8], msg)
+                    else:  # settled: a mutation seldom reads it again, so its body is not worth keeping
+                        known.pop(("m", row[0], row[1]), None)
             if m.receipts:
                 receipts = [(x.conversation_id, x.idempotency_key, x.input.id, encode(x)) for x in m.receipts]
                 if len(receipts) == 1:

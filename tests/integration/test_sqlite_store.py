@@ -786,6 +786,40 @@ async def test_a_record_a_caller_changed_in_place_is_not_what_the_store_reads_ba
         assert stored["in"].metadata == {"a": 1}
 
 
+async def test_settled_messages_are_not_kept_in_memory(db: Path) -> None:
+    """The driver keeps the unsettled messages it wrote (the next mutation reads them) but not settled ones:
+    their bodies would otherwise stay in memory, up to the driver's bound, for reads that seldom come."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store = sqlite.store
+        accepted = await store.accept_input_and_assign_run(
+            conversation_id="c", idempotency_key="k", input={"id": "in", "parts": text("q")}
+        )
+        acquired = await store.acquire_run(
+            conversation_id="c", run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
+        )
+        written = await store.checkpoint_run_assistant(
+            conversation_id="c",
+            run_id=acquired.run.id,
+            expected_revision=acquired.run.revision,
+            owner_id=OWNER,
+            fencing_token=acquired.run.fencing_token,
+            parts=text("an answer"),
+        )
+        kept = {key[2] for key in sqlite.driver._rows.known if key[0] == "m"}
+        assert kept == {"in", written.run.assistant_message_id}
+        await store.commit_run_terminal(
+            conversation_id="c",
+            run_id=written.run.id,
+            expected_revision=written.run.revision,
+            owner_id=OWNER,
+            fencing_token=written.run.fencing_token,
+            terminal_reason="success",
+        )
+        assert not [key for key in sqlite.driver._rows.known if key[0] == "m"]
+        stored = (await store.load_snapshot(conversation_id="c")).messages
+        assert [(m.id, m.position) for m in stored] == [("in", 1), (written.run.assistant_message_id, 2)]
+
+
 async def test_indexing_settled_messages_reads_only_the_rows_it_indexes(db: Path) -> None:
     """The full-text flush before every COMMIT costs what it indexes, not what the file holds: its plan
     scans only the queue and reaches messages by primary key (an unlucky plan scanned every settled

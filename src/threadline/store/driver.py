@@ -351,15 +351,32 @@ def _count_write(request: Write | Purge, stats: OperationStats) -> None:
         stats.rows_written += 1  # the tombstone; deleted rows are not counted as written
 
 
+_DISPATCH_BY_ROWS: dict[type, dict[type, Callable[[Any, Any], Any]]] = {}
+
+
+def _dispatch(rows_type: type) -> dict[type, Callable[[Any, Any], Any]]:
+    """The row primitives ``rows_type`` defines as methods, per request type, looked up once per class (no
+    bound method per request). One it does not define (a proxy's ``__getattr__``) is looked up on the
+    object each time."""
+    table = _DISPATCH_BY_ROWS.get(rows_type)
+    if table is None:
+        table = _DISPATCH_BY_ROWS[rows_type] = {
+            kind: method for kind, name in _SYNC_DISPATCH.items() if callable(method := getattr(rows_type, name, None))
+        }
+    return table
+
+
 def drive_sync(operation: Operation[T], rows: SyncRows, stats: OperationStats | None = None) -> T:
     """Run ``operation`` to completion against synchronous row primitives (inside one transaction)."""
     answer: Any = None
     send = operation.send
+    primitives = _dispatch(type(rows))
     try:
         while True:
             request = send(answer)
             kind = type(request)
-            answer = getattr(rows, _SYNC_DISPATCH[kind])(request)
+            primitive = primitives.get(kind)
+            answer = primitive(rows, request) if primitive else getattr(rows, _SYNC_DISPATCH[kind])(request)
             if stats is not None:
                 if kind is Write or kind is Purge:
                     _count_write(request, stats)

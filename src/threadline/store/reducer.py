@@ -128,7 +128,10 @@ def _stamp(mutation: Mutation) -> Mutation:
     with that version already (the usual case) are kept as they are; only the others are copied."""
     assert mutation.head is not None
     v = mutation.head.version
-    if all(r.version == v for r in mutation.runs) and all(m.version == v for m in mutation.messages):
+    for record in (*mutation.runs, *mutation.messages):
+        if record.version != v:
+            break
+    else:
         return mutation
     return Mutation(
         head=mutation.head,

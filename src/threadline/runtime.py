@@ -63,7 +63,7 @@ from .records import PART_TYPES, PARTS_ADAPTER, Message, Run, RunOperation
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
-from .store.results import InterruptResult, RecoverResult, RunResult
+from .store.results import InterruptResult, RecoverResult
 from .tools import AgentTool, AgentToolLifecycle
 from .usage import AgentUsage
 
@@ -680,12 +680,11 @@ class AgentRuntime:
         self._ensure_listening()
         started = lane.started.pop(run.id, None)
         if started is not None:  # admitted and acquired in one commit (its run-state event is out)
-            acquired = RunResult(run=started[0], version=started[1])
-            first = started[2]
+            owned, version, first = started
         else:
             first = self._first_request()
             try:
-                acquired = await self.retry_store(
+                acquisition = await self.retry_store(
                     lambda: self.store.acquire_run(
                         conversation_id=run.conversation_id,
                         run_id=run.id,
@@ -704,11 +703,12 @@ class AgentRuntime:
                 # acquisition failed past the retry budget (or its reply was lost): abandon the run durably
                 await self._abandon_unacquirable(run, error)
                 return False
-            self._publish_run_state(acquired.run, acquired.version)
-        self.waiters.mark_acquired(run.id, acquired.run)
+            owned, version = acquisition.run, acquisition.version
+            self._publish_run_state(owned, version)
+        self.waiters.mark_acquired(run.id, owned)
         queue_wait = None
-        if acquired.run.acquired_at is not None:
-            queue_wait = max(0.0, (acquired.run.acquired_at - acquired.run.created_at).total_seconds())
+        if owned.acquired_at is not None:
+            queue_wait = max(0.0, (owned.acquired_at - owned.created_at).total_seconds())
         if self.operator_publishing:
             self.operator_publish(
                 AgentRunStartedEvent(
@@ -716,7 +716,7 @@ class AgentRuntime:
                     run_id=run.id,
                     runtime_epoch=self.runtime_epoch,
                     owner_id=self.owner_id,
-                    fencing_token=acquired.run.fencing_token,
+                    fencing_token=owned.fencing_token,
                     queue_wait=queue_wait,
                 )
             )
@@ -725,7 +725,7 @@ class AgentRuntime:
             # its admission raced close(), which could not see it: it ends at once, as close() ends runs
             control.abort("shutdown")
         lane.control = control
-        prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=acquired.run)
+        prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=owned)
         env = LoopEnv(
             store=self.store,
             owner_id=self.owner_id,
@@ -747,9 +747,7 @@ class AgentRuntime:
             _options_by_provider=self._options_by_provider,
         )
         try:
-            outcome = await execute_run(
-                env, acquired.run, control, (first, acquired.version) if first is not None else None
-            )
+            outcome = await execute_run(env, owned, control, (first, version) if first is not None else None)
         finally:
             lane.control = None
         self._sequences.pop(run.id, None)
@@ -760,7 +758,7 @@ class AgentRuntime:
                     run_id=run.id,
                     runtime_epoch=self.runtime_epoch,
                     owner_id=self.owner_id,
-                    fencing_token=acquired.run.fencing_token,
+                    fencing_token=owned.fencing_token,
                     outcome="committed" if outcome.committed else ("unsettled" if outcome.unsettled else "lost"),
                     terminal_reason=outcome.reason or outcome.run.terminal_reason,
                     policy_name=outcome.run.policy_name,

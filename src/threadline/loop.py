@@ -740,86 +740,93 @@ class _Execution:
     ) -> tuple[ModelResponse, RunOperation | None]:
         """Stream one provider request (already durably admitted as ``operation``). On failure the
         attempt's usage still counts, and its streamed text stays as evidence unless the caller retries."""
-        settings = self.env.settings
-        every = max(1, settings.checkpoint_every_events)
-        base = list(self.parts)
-        state: dict[str, Any] = {"stream": None, "first": False, "first_pending": None}
-
-        async def consume() -> ModelResponse:
-            loop = asyncio.get_running_loop()
-            model_settings: ModelSettings = {"max_retries": 0, **(settings.model_settings or {})}  # type: ignore[typeddict-item]
-            idle = settings.idle_timeout
-            # provider silence only: the clock starts before the call (opening the stream included),
-            # restarts on every event and after each of our own checkpoint writes
-            timeout = asyncio.timeout(idle) if idle else None
-            try:
-                async with (
-                    timeout or contextlib.nullcontext(),
-                    model.model.request_stream(messages, model_settings, params) as stream,
-                ):
-                    state["stream"] = stream
-                    count = 0
-                    # A completed tool call is a structural boundary. Its checkpoint is written when the
-                    # next event arrives; when the stream ends there instead (the usual case: a part ends
-                    # as the next one starts or as the stream closes), the step-finish commit stands for
-                    # it. No tool runs before that commit, so the deferral never lets an effect precede it.
-                    boundary = False
-                    async for event in stream:
-                        if timeout is not None:
-                            timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
-                        if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
-                            continue
-                        if isinstance(event, PartEndEvent):
-                            if isinstance(event.part, PaiThinkingPart):
-                                self._reasoning_end(event.part, model.provider_name)
-                            elif isinstance(event.part, PaiToolCallPart):
-                                boundary = True
-                                continue
-                        else:
-                            count += 1
-                            self._on_event(event, operation, state, model.provider_name)
-                        if boundary or count >= every:
-                            count = 0
-                            boundary = False
-                            # the first-output phase rides along with the next commit
-                            first, state["first_pending"] = state["first_pending"], None
-                            await self.owned.checkpoint(
-                                [*base, *canonical_parts(stream.get(), model.provider_name)], first
-                            )
-                            if timeout is not None:
-                                timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
-                    return stream.get()
-            except TimeoutError as error:
-                if timeout is not None and timeout.expired():
-                    raise _Failure("timeout", error) from error
-                raise _Failure("provider_failure", error) from error
-            except (_Failure, _FenceLost, _Aborted):
-                raise
-            except Exception as error:
-                raise _Failure("provider_failure", error) from error
-
-        def partial() -> list[Part]:
-            stream = state["stream"]
-            self._step_usage = AgentUsage.from_response(stream.get()) if stream is not None else AgentUsage.unreported()
-            self.usage = self.usage + self._step_usage  # a failed attempt's spend stays in the run's spend
-            if stream is None:
-                return []
-            # complete tool calls cannot stay: their results never came
-            return [p for p in canonical_parts(stream.get(), model.provider_name) if p.type != "tool-call"]
-
+        state: dict[str, Any] = {"stream": None, "first": False, "first_pending": None, "base": list(self.parts)}
         try:
-            response = await self._abortable(consume())
+            response = await self._abortable(self._consume(operation, model, messages, params, state))
         except _Aborted:
-            self.parts.extend(partial())
+            self.parts.extend(self._partial(state, model))
             await self._finish_operation(operation, "cancelled")
             raise
         except _Failure as failure:
-            failure.partial = partial()
+            failure.partial = self._partial(state, model)
             await self._finish_operation(operation, "failed", failure.reason)
             raise
         self._step_usage = AgentUsage.from_response(response)
         self.usage = self.usage + self._step_usage
         return response, state["first_pending"]
+
+    async def _consume(
+        self,
+        operation: RunOperation,
+        model: AgentModelDescriptor,
+        messages: list[Any],
+        params: Any,
+        state: dict[str, Any],
+    ) -> ModelResponse:
+        """The provider call of :meth:`_stream`: its events, checkpoints and idle timeout (a method, not a
+        closure: nothing is allocated per request to capture its variables)."""
+        settings = self.env.settings
+        every = max(1, settings.checkpoint_every_events)
+        base = state["base"]
+        loop = asyncio.get_running_loop()
+        model_settings: ModelSettings = {"max_retries": 0, **(settings.model_settings or {})}  # type: ignore[typeddict-item]
+        idle = settings.idle_timeout
+        # provider silence only: the clock starts before the call (opening the stream included),
+        # restarts on every event and after each of our own checkpoint writes
+        timeout = asyncio.timeout(idle) if idle else None
+        try:
+            async with (
+                timeout or contextlib.nullcontext(),
+                model.model.request_stream(messages, model_settings, params) as stream,
+            ):
+                state["stream"] = stream
+                count = 0
+                # A completed tool call is a structural boundary. Its checkpoint is written when the
+                # next event arrives; when the stream ends there instead (the usual case: a part ends
+                # as the next one starts or as the stream closes), the step-finish commit stands for
+                # it. No tool runs before that commit, so the deferral never lets an effect precede it.
+                boundary = False
+                async for event in stream:
+                    if timeout is not None:
+                        timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
+                    if not isinstance(event, PartStartEvent | PartDeltaEvent | PartEndEvent):
+                        continue
+                    if isinstance(event, PartEndEvent):
+                        if isinstance(event.part, PaiThinkingPart):
+                            self._reasoning_end(event.part, model.provider_name)
+                        elif isinstance(event.part, PaiToolCallPart):
+                            boundary = True
+                            continue
+                    else:
+                        count += 1
+                        self._on_event(event, operation, state, model.provider_name)
+                    if boundary or count >= every:
+                        count = 0
+                        boundary = False
+                        # the first-output phase rides along with the next commit
+                        first, state["first_pending"] = state["first_pending"], None
+                        await self.owned.checkpoint([*base, *canonical_parts(stream.get(), model.provider_name)], first)
+                        if timeout is not None:
+                            timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
+                return stream.get()
+        except TimeoutError as error:
+            if timeout is not None and timeout.expired():
+                raise _Failure("timeout", error) from error
+            raise _Failure("provider_failure", error) from error
+        except (_Failure, _FenceLost, _Aborted):
+            raise
+        except Exception as error:
+            raise _Failure("provider_failure", error) from error
+
+    def _partial(self, state: dict[str, Any], model: AgentModelDescriptor) -> list[Part]:
+        """What a failed or aborted request leaves as evidence; its usage counts in the run's spend."""
+        stream = state["stream"]
+        self._step_usage = AgentUsage.from_response(stream.get()) if stream is not None else AgentUsage.unreported()
+        self.usage = self.usage + self._step_usage  # a failed attempt's spend stays in the run's spend
+        if stream is None:
+            return []
+        # complete tool calls cannot stay: their results never came
+        return [p for p in canonical_parts(stream.get(), model.provider_name) if p.type != "tool-call"]
 
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""

@@ -454,27 +454,26 @@ class _OwnedRun:
     async def _owned(self, mutate: Callable[..., Awaitable[Any]], **fields: Any) -> Any:
         """One owned mutation of the run (``mutate`` is a store method taking the run's identity, expected
         revision, owner and fencing token, plus ``fields``), serialized with the run's other owned writes.
-        A failing store call is retried as :func:`with_store_retry` does."""
+        A failing store call is retried (:func:`with_store_retry`)."""
         if self._busy:  # another owned write (a lease renewal, say) is in flight: wait for it
             await self._wait_turn()
         self._busy = True
         try:
-            delays = iter(STORE_RETRY_DELAYS)
-            conflicts = 0
-            while True:
+            for attempt in range(3):
                 run = self.run
                 try:
-                    result = await mutate(
-                        conversation_id=run.conversation_id,
-                        run_id=run.id,
-                        expected_revision=run.revision,
-                        owner_id=self.env.owner_id,
-                        fencing_token=run.fencing_token,
-                        **fields,
+                    result = await with_store_retry(
+                        lambda run=run: mutate(
+                            conversation_id=run.conversation_id,
+                            run_id=run.id,
+                            expected_revision=run.revision,
+                            owner_id=self.env.owner_id,
+                            fencing_token=run.fencing_token,
+                            **fields,
+                        )
                     )
                 except AgentRunRevisionConflictError as error:
-                    conflicts += 1
-                    if conflicts == 3:
+                    if attempt == 2:
                         raise _Failure("storage_conflict", error) from error
                     current = await self._still_owned()
                     if current is None:
@@ -485,16 +484,11 @@ class _OwnedRun:
                     raise _FenceLost(error) from error
                 except AgentStoreConflictError as error:
                     raise _Failure("storage_conflict", error) from error
-                except _DECISIONS as error:
+                except Exception as error:  # the store failed: the run cannot continue durably
                     raise _Failure("runtime_failure", error) from error
-                except Exception as error:  # the store failed: retried, then the run cannot continue durably
-                    delay = next(delays, None)
-                    if delay is None:
-                        raise _Failure("runtime_failure", error) from error
-                    await asyncio.sleep(delay)
-                    continue
                 self.run = result.run
                 return result
+            raise AssertionError("unreachable")
         finally:
             self._pass_turn()
 

@@ -11,7 +11,7 @@ position and are ordered after the settled ones by run execution order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar, get_args
 
@@ -176,8 +176,18 @@ Part = Annotated[
     Field(discriminator="type"),
 ]
 PARTS_ADAPTER: TypeAdapter[list[Part]] = TypeAdapter(list[Part])
-PART_TYPES = frozenset(get_args(get_args(Part)[0]))
-"""The part classes: an instance of one is a valid part as it is (records are never revalidated)."""
+_PART_TYPES = frozenset(get_args(get_args(Part)[0]))
+
+
+def validate_parts(values: Sequence[Any]) -> list[Part]:
+    """``values`` as part records. Part records are returned as they are (exactly what validation returns:
+    records are never revalidated), so the common case costs one type check per part; anything else goes
+    through ``PARTS_ADAPTER`` (and may raise its ``ValidationError``)."""
+    parts = list(values)
+    if all(type(p) in _PART_TYPES for p in parts):
+        return parts
+    return PARTS_ADAPTER.validate_python(parts)
+
 
 # --------------------------------------------------------------------------------------------- messages
 

@@ -59,7 +59,7 @@ from .loop import (
 )
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
-from .records import PART_TYPES, PARTS_ADAPTER, Message, Run, RunOperation
+from .records import Message, Run, RunOperation, validate_parts
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
@@ -534,12 +534,10 @@ class AgentRuntime:
                 raise AgentRuntimeUsageError(f"input_policy returned {policy!r}; expected one of {INPUT_POLICIES}")
             if self._preflight is not None:
                 await self._call_hook(self._preflight, raw)
-            canonical_parts = list(parts)
-            if not all(type(p) in PART_TYPES for p in canonical_parts):  # records already need no validation
-                try:
-                    canonical_parts = PARTS_ADAPTER.validate_python(canonical_parts)
-                except Exception as error:
-                    raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
+            try:
+                canonical_parts = validate_parts(parts)
+            except Exception as error:
+                raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
             metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
             # an input for a conversation this process is not running anything in is admitted and started
             # in one commit (the store starts it only if nothing is queued or running there durably)

@@ -61,12 +61,14 @@ class Clock:
         return self.now
 
 
-async def turn(store: AgentRuntimeStore, cid: str, n: str, answer: str | None = None) -> Any:
-    """accept -> acquire -> checkpoint -> terminal; returns the terminal result."""
+async def drafted(
+    store: AgentRuntimeStore, cid: str, n: str, parts: Any = None, metadata: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """accept -> acquire -> checkpoint of turn ``n``; returns the admission and the checkpoint results."""
     accepted = await store.accept_input_and_assign_run(
         conversation_id=cid,
         idempotency_key=f"key-{n}",
-        input={"id": f"{n}:in", "parts": text(f"question {n}")},
+        input={"id": f"{n}:in", "parts": text(f"question {n}"), "metadata": metadata or {}},
         run_id=f"{n}:run",
         assistant_message_id=f"{n}:out",
     )
@@ -75,25 +77,35 @@ async def turn(store: AgentRuntimeStore, cid: str, n: str, answer: str | None = 
             conversation_id=cid, run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
         )
     ).run
-    run = (
-        await store.checkpoint_run_assistant(
-            conversation_id=cid,
-            run_id=run.id,
-            expected_revision=run.revision,
-            owner_id=OWNER,
-            fencing_token=run.fencing_token,
-            parts=text(f"draft {n}"),
-        )
-    ).run
-    return await store.commit_run_terminal(
+    written = await store.checkpoint_run_assistant(
         conversation_id=cid,
         run_id=run.id,
         expected_revision=run.revision,
         owner_id=OWNER,
         fencing_token=run.fencing_token,
-        terminal_reason="success",
-        parts=text(answer or f"answer {n}"),
+        parts=parts if parts is not None else text(f"draft {n}"),
     )
+    return accepted, written
+
+
+async def finish(store: AgentRuntimeStore, written: Any, answer: str | None = None) -> Any:
+    """The terminal of a drafted turn (its draft stays the answer unless ``answer`` is given)."""
+    run = written.run
+    return await store.commit_run_terminal(
+        conversation_id=run.conversation_id,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=OWNER,
+        fencing_token=run.fencing_token,
+        terminal_reason="success",
+        **({"parts": text(answer)} if answer is not None else {}),
+    )
+
+
+async def turn(store: AgentRuntimeStore, cid: str, n: str, answer: str | None = None) -> Any:
+    """accept -> acquire -> checkpoint -> terminal; returns the terminal result."""
+    _, written = await drafted(store, cid, n)
+    return await finish(store, written, answer or f"answer {n}")
 
 
 async def all_pages(store: AgentRuntimeStore, cid: str, **kwargs: Any) -> list[Any]:
@@ -754,36 +766,16 @@ async def test_a_record_a_caller_changed_in_place_is_not_what_the_store_reads_ba
     call = [{"type": "tool-call", "call_id": "c1", "tool_name": "lookup", "input": {"query": "kept"}}]
     async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
         store = sqlite.store
-        accepted = await store.accept_input_and_assign_run(
-            conversation_id="c", idempotency_key="k", input={"id": "in", "parts": text("q"), "metadata": {"a": 1}}
-        )
-        acquired = await store.acquire_run(
-            conversation_id="c", run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
-        )
-        written = await store.checkpoint_run_assistant(
-            conversation_id="c",
-            run_id=acquired.run.id,
-            expected_revision=acquired.run.revision,
-            owner_id=OWNER,
-            fencing_token=acquired.run.fencing_token,
-            parts=call,
-        )
+        accepted, written = await drafted(store, "c", "t", parts=call, metadata={"a": 1})
         assert written.assistant is not None
-        written.assistant.parts[0].input["query"] = "tampered"  # type: ignore[union-attr]
+        written.assistant.parts[0].input["query"] = "tampered"
         accepted.receipt.input.metadata["a"] = 2
-        done = await store.commit_run_terminal(
-            conversation_id="c",
-            run_id=written.run.id,
-            expected_revision=written.run.revision,
-            owner_id=OWNER,
-            fencing_token=written.run.fencing_token,
-            terminal_reason="success",
-        )
+        done = await finish(store, written)
         assert done.assistant is not None
-        assert done.assistant.parts[0].input == {"query": "kept"}  # type: ignore[union-attr]
+        assert done.assistant.parts[0].input == {"query": "kept"}
         stored = {m.id: m for m in (await store.load_snapshot(conversation_id="c")).messages}
-        assert stored[done.assistant.id].parts[0].input == {"query": "kept"}  # type: ignore[union-attr]
-        assert stored["in"].metadata == {"a": 1}
+        assert stored[done.assistant.id].parts[0].input == {"query": "kept"}
+        assert stored["t:in"].metadata == {"a": 1}
 
 
 async def test_settled_messages_are_not_kept_in_memory(db: Path) -> None:
@@ -791,33 +783,13 @@ async def test_settled_messages_are_not_kept_in_memory(db: Path) -> None:
     their bodies would otherwise stay in memory, up to the driver's bound, for reads that seldom come."""
     async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
         store = sqlite.store
-        accepted = await store.accept_input_and_assign_run(
-            conversation_id="c", idempotency_key="k", input={"id": "in", "parts": text("q")}
-        )
-        acquired = await store.acquire_run(
-            conversation_id="c", run_id=accepted.run.id, expected_revision=accepted.run.revision, owner_id=OWNER
-        )
-        written = await store.checkpoint_run_assistant(
-            conversation_id="c",
-            run_id=acquired.run.id,
-            expected_revision=acquired.run.revision,
-            owner_id=OWNER,
-            fencing_token=acquired.run.fencing_token,
-            parts=text("an answer"),
-        )
+        _, written = await drafted(store, "c", "t")
         kept = {key[2] for key in sqlite.driver._rows.known if key[0] == "m"}
-        assert kept == {"in", written.run.assistant_message_id}
-        await store.commit_run_terminal(
-            conversation_id="c",
-            run_id=written.run.id,
-            expected_revision=written.run.revision,
-            owner_id=OWNER,
-            fencing_token=written.run.fencing_token,
-            terminal_reason="success",
-        )
+        assert kept == {"t:in", "t:out"}
+        await finish(store, written)
         assert not [key for key in sqlite.driver._rows.known if key[0] == "m"]
         stored = (await store.load_snapshot(conversation_id="c")).messages
-        assert [(m.id, m.position) for m in stored] == [("in", 1), (written.run.assistant_message_id, 2)]
+        assert [(m.id, m.position) for m in stored] == [("t:in", 1), ("t:out", 2)]
 
 
 async def test_indexing_settled_messages_reads_only_the_rows_it_indexes(db: Path) -> None:

@@ -37,9 +37,14 @@ class Store:
         return mutate
 
 
+def three_writes(writes: _OwnedRun, store: Store) -> list[asyncio.Future[Any]]:
+    """Owned writes ``a``, ``b`` and ``c`` asked for in that order (``a`` runs, the others wait)."""
+    return [asyncio.ensure_future(writes._owned(store.call(name))) for name in ("a", "b", "c")]
+
+
 async def test_owned_writes_run_one_at_a_time_in_order() -> None:
     writes, store = owned(), Store()
-    tasks = [asyncio.ensure_future(writes._owned(store.call(n))) for n in ("a", "b", "c")]
+    tasks = three_writes(writes, store)
     await asyncio.sleep(0)
     assert store.log == ["start a"]
     for name in ("a", "b", "c"):
@@ -53,9 +58,7 @@ async def test_owned_writes_run_one_at_a_time_in_order() -> None:
 
 async def test_a_cancelled_waiter_leaves_no_one_stuck() -> None:
     writes, store = owned(), Store()
-    first = asyncio.ensure_future(writes._owned(store.call("a")))
-    second = asyncio.ensure_future(writes._owned(store.call("b")))
-    third = asyncio.ensure_future(writes._owned(store.call("c")))
+    first, second, third = three_writes(writes, store)
     await asyncio.sleep(0)
     second.cancel()
     store.gates["a"].set()
@@ -95,9 +98,7 @@ async def test_a_failing_store_call_is_retried_and_a_decision_is_not() -> None:
 
 async def test_a_waiter_cancelled_after_its_turn_came_hands_the_turn_on() -> None:
     writes, store = owned(), Store()
-    first = asyncio.ensure_future(writes._owned(store.call("a")))
-    second = asyncio.ensure_future(writes._owned(store.call("b")))
-    third = asyncio.ensure_future(writes._owned(store.call("c")))
+    first, second, third = three_writes(writes, store)
     await asyncio.sleep(0)
     handed = writes._pass_turn
 

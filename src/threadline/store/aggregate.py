@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError
-from ..records import PART_TYPES, PARTS_ADAPTER, ConversationSnapshot, MessageDraft, Part, Priority, RunOperation
+from ..records import ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
 from . import reducer
 from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
 from .reducer import AbsorbClaim
@@ -76,11 +76,8 @@ def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
 def _parts(value: Sequence[Part | Mapping[str, Any]] | None, field: str) -> tuple[Part, ...] | None:
     if value is None:
         return None
-    parts = tuple(value)
-    if all(type(p) in PART_TYPES for p in parts):  # records already: what validation would return
-        return parts  # type: ignore[return-value]
     try:
-        return tuple(PARTS_ADAPTER.validate_python(list(parts)))
+        return tuple(validate_parts(value))
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in (field, *first["loc"]))

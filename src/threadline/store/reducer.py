@@ -30,6 +30,7 @@ from ..errors import (
     AgentRunOwnershipConflictError,
     AgentRunRevisionConflictError,
     AgentRunStateConflictError,
+    AgentStoreConflictError,
 )
 from ..records import (
     RUN_STATE_FOR_REASON,
@@ -179,22 +180,23 @@ def _by_id(messages: Iterable[Message]) -> dict[str, Message]:
 
 def _check_owned(run: Run, expected_revision: int, owner_id: str, fencing_token: int, action: str) -> None:
     """An owned mutation needs an acquired run, the same owner and token, and the expected revision."""
-    ours = run.acquired and run.owner_id == owner_id and run.fencing_token == fencing_token
-    if ours and run.revision == expected_revision:
-        return
-    ctx = {"conversation_id": run.conversation_id, "run_id": run.id, "actual_revision": run.revision, "run": run}
+    error: type[AgentStoreConflictError]
     if not run.acquired:
-        raise AgentRunStateConflictError(f"cannot {action} run {run.id!r}: it is {run.state}", **ctx)
-    if run.owner_id != owner_id or run.fencing_token != fencing_token:
-        raise AgentRunOwnershipConflictError(
-            f"cannot {action} run {run.id!r}: owned by {run.owner_id!r} with fencing token {run.fencing_token}, "
-            f"not {owner_id!r} with {fencing_token}",
-            **ctx,
-        )
-    if run.revision != expected_revision:
-        raise AgentRunRevisionConflictError(
-            f"cannot {action} run {run.id!r}: expected revision {expected_revision}, store has {run.revision}", **ctx
-        )
+        error, why = AgentRunStateConflictError, f"it is {run.state}"
+    elif run.owner_id != owner_id or run.fencing_token != fencing_token:
+        error = AgentRunOwnershipConflictError
+        why = f"owned by {run.owner_id!r} with fencing token {run.fencing_token}, not {owner_id!r} with {fencing_token}"
+    elif run.revision != expected_revision:
+        error, why = AgentRunRevisionConflictError, f"expected revision {expected_revision}, store has {run.revision}"
+    else:
+        return
+    raise error(
+        f"cannot {action} run {run.id!r}: {why}",
+        conversation_id=run.conversation_id,
+        run_id=run.id,
+        actual_revision=run.revision,
+        run=run,
+    )
 
 
 def _same_input(stored: Message, proposed: MessageDraft) -> bool:

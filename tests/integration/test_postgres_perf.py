@@ -13,6 +13,7 @@ Every test works in its own schema, dropped afterwards.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -107,6 +108,48 @@ async def test_a_steady_turn_costs_one_round_trip_per_operation(postgres_dsn: st
             assert await fresh.store.load_snapshot(conversation_id="c") == await store.load_snapshot(
                 conversation_id="c"
             )
+
+
+async def test_rows_a_write_knows_exist_are_updated_in_place_and_new_rows_inserted(
+    postgres_dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row read under the lock, or vouched for by the guard, is rewritten with a plain UPDATE (no insert
+    attempt, no row lock, no purge-guard trigger); a row the write has not seen is upserted."""
+    sent: list[str] = []
+    execute = psycopg.AsyncCursor.execute
+
+    async def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(query.decode() if isinstance(query, bytes) else str(query))
+        return await execute(self, query, *args, **kwargs)
+
+    async with handle_for(postgres_dsn, schema) as pg:
+        await turn(pg.store, "c", "t0")  # a new conversation: read under the lock, head inserted
+        monkeypatch.setattr(psycopg.AsyncCursor, "execute", recording)
+        await turn(pg.store, "c", "t1")  # steady: every known row answered from hints, under guard
+        monkeypatch.undo()
+        verbs = [
+            (verb, table)
+            for query in sent
+            for verb, table in re.findall(r"EXECUTE tl_[0-9a-f]+_(update|upsert)_(head|run|message)\(", query)
+        ]
+        new, known = "upsert", "update"
+        assert verbs == [
+            (known, "head"), (new, "run"), (new, "message"),  # admission: a new run and input
+            (known, "head"), (known, "run"),  # acquire
+            (known, "head"), (known, "run"), (new, "message"),  # the first checkpoint creates the draft
+            (known, "head"), (known, "run"), (known, "message"), (known, "message"),  # terminal
+        ]  # fmt: skip
+        with_plain = handle_for(postgres_dsn, f"{schema}_plain")
+        async with with_plain as plain:
+            try:
+                plain.driver.prefetch = plain.driver.speculate = False  # every row read under the lock
+                for n in ("t0", "t1"):
+                    await turn(plain.store, "c", n)
+                a = await pg.store.load_snapshot(conversation_id="c")
+                b = await plain.store.load_snapshot(conversation_id="c")
+                assert a.model_dump(exclude={"conversation_id"}) == b.model_dump(exclude={"conversation_id"})
+            finally:
+                await sql(postgres_dsn, f'DROP SCHEMA IF EXISTS "{schema}_plain" CASCADE')
 
 
 async def test_without_shortcuts_the_same_answers(postgres_dsn: str, schema: str) -> None:

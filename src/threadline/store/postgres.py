@@ -30,6 +30,9 @@ on the server: a wake-up of the backend), so an operation makes as few as it can
   answers not yet verified. So a steady write (admission, acquire, checkpoint, terminal) is one round trip:
   lock, guard, writes, ``COMMIT``. None of this changes what an operation acts on: every answer it
   committed with was read, or verified, under the lock.
+- a row the write read under the lock, or had its guard vouch for, is rewritten with a plain ``UPDATE``;
+  only a row it has not seen is upserted (an upsert first attempts the insert: an index probe, a row lock
+  and the purge guard trigger for nothing). Rows are deleted only by a purge, which takes the same lock.
 
 ``round_trips`` counts them; ``restarts`` counts operations run again because a shortcut met moved rows
 (not failures). ``prefetch`` and ``speculate`` turn the last two shortcuts off.
@@ -352,6 +355,22 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
         "band_rank = excluded.band_rank, position = excluded.position, sub = excluded.sub, seq = excluded.seq, "
         "active = excluded.active, version = excluded.version, body = excluded.body",
+    ),
+    # a row this transaction read under the lock, or had the guard vouch for, exists: a plain UPDATE
+    # rewrites it (an upsert would first try to insert, lock the row and fire the purge guard trigger)
+    "update_head": (
+        "text, bigint, text",
+        "UPDATE {s}.threadline_conversations SET version = $2, body = $3 WHERE conversation_id = $1",
+    ),
+    "update_run": (
+        "text, text, boolean, bigint, text",
+        "UPDATE {s}.threadline_runs SET active = $3, version = $4, body = $5 "
+        "WHERE conversation_id = $1 AND run_id = $2",
+    ),
+    "update_message": (
+        "text, text, smallint, bigint, smallint, bigint, boolean, bigint, text",
+        "UPDATE {s}.threadline_messages SET band_rank = $3, position = $4, sub = $5, seq = $6, active = $7, "
+        "version = $8, body = $9 WHERE conversation_id = $1 AND message_id = $2",
     ),
     "insert_receipt": (
         "text, text, text, text",
@@ -792,6 +811,14 @@ class _Guard:
         return prepare, execute + b", ".join([literal(v) for v in values]) + b")"
 
 
+# the tables a request's rows come from (first column: the row's id), for what a write knows exists
+_ROW_TABLE: dict[type, str] = {
+    **dict.fromkeys((LoadRuns, ListActiveRuns, LoadAllRuns, LoadRunsSince), "run"),
+    **dict.fromkeys(
+        (LoadMessages, LoadSettledRange, LoadHistory, LoadMessagesSince, LoadUnsettled, PageSettled), "message"
+    ),
+}
+
 _ANCHOR = object()  # the result slot of a continued read's head check
 _RAW = object()  # the result slot of a raw statement (left current on the cursor)
 _NONE = object()
@@ -842,6 +869,9 @@ class _PostgresRows:
         self.open = True  # a transaction is open (or opens with what is pending)
         self.locked: set[str] = set()
         self.written: list[str] = []
+        # (table, conversation, id) of the rows this write transaction knows exist: read under the lock,
+        # vouched for by its guard, or written by it. Only a purge deletes rows, and it takes the same lock.
+        self.present: set[tuple[str, str, str]] = set()
         self.known: dict[Request, list[tuple[Any, ...]]] = {}
         self.predict: Callable[[Request], tuple[list[Request], bool]] | None = None
         self.anchor_request: LoadHead | None = None  # a read's first request, when it may end its snapshot early
@@ -1025,6 +1055,16 @@ class _PostgresRows:
             requests, ends = self.predict(r) if self.predict is not None else ([r], False)
             await self._send(requests, ends)
             rows = self.known.pop(r)
+        if self.writable:
+            kind = type(r)
+            cid: str = getattr(r, "conversation_id", "")
+            if kind is LoadHead:
+                if rows[0][0] is not None:  # type: ignore[index]
+                    self.present.add(("head", cid, cid))
+            else:
+                table = _ROW_TABLE.get(kind)
+                if table is not None:
+                    self.present.update((table, cid, row[0]) for row in rows)  # type: ignore[union-attr]
         return rows  # type: ignore[return-value]
 
     def _speculate(self, r: Request) -> Any:
@@ -1263,11 +1303,12 @@ class _PostgresRows:
         x, encode, pending, wrote = self._x, self.cache.encode, self.pending, self.wrote
         # one statement per row, so a row written twice in one mutation keeps its last version, as in memory
         body = encode(m.head)
-        pending.append(x("upsert_head", cid, m.head.version, body))
+        pending.append(x(self._verb("head", cid, cid) + "_head", cid, m.head.version, body))
         wrote.append(("head", cid, body, True))
         for run in m.runs:
             body = encode(run)
-            pending.append(x("upsert_run", run.conversation_id, run.id, run.active, run.version, body))
+            verb = self._verb("run", run.conversation_id, run.id)
+            pending.append(x(verb + "_run", run.conversation_id, run.id, run.active, run.version, body))
             wrote.append(("run", run.id, body, run.active))
             if run.state in ("interrupt_requested", "queued"):
                 # delivered at COMMIT: executors learn of a durable interrupt at once, workers of new work
@@ -1278,7 +1319,7 @@ class _PostgresRows:
             body = encode(msg)
             pending.append(
                 x(
-                    "upsert_message",
+                    self._verb("message", msg.conversation_id, msg.id) + "_message",
                     msg.conversation_id,
                     msg.id,
                     0 if msg.band == "lead" else 1,
@@ -1295,6 +1336,14 @@ class _PostgresRows:
             pending.append(x("insert_receipt", rc.conversation_id, rc.idempotency_key, rc.input.id, encode(rc)))
         for seed in m.seeds:
             pending.append(x("insert_seed", seed.conversation_id, seed.seed_key, encode(seed)))
+
+    def _verb(self, table: str, cid: str, key: str) -> str:
+        """``update`` for a row known to exist, else ``upsert``; either way the row exists afterwards."""
+        row = (table, cid, key)
+        if row in self.present:
+            return "update"
+        self.present.add(row)
+        return "upsert"
 
     async def purge(self, r: Purge) -> None:
         if not self.writable:

@@ -34,8 +34,15 @@ on the server: a wake-up of the backend), so an operation makes as few as it can
   only a row it has not seen is upserted (an upsert first attempts the insert: an index probe, a row lock
   and the purge guard trigger for nothing). Rows are deleted only by a purge, which takes the same lock.
 
+*Group commit*: a write that could answer from hints and finds every connection busy waits in a queue;
+one task at a time waits for the next free connection and commits what is queued then in one transaction
+and one round trip (:meth:`PostgresStoreDriver._batched`): each write's lock, guard and statements in turn,
+in conversation order, at most one write per conversation, then one ``COMMIT`` (and one WAL flush) for
+all. A write that needs the server before its commit leaves the batch; a batch that fails before its
+``COMMIT`` has written nothing, and each of its writes runs again alone.
+
 ``round_trips`` counts them; ``restarts`` counts operations run again because a shortcut met moved rows
-(not failures). ``prefetch`` and ``speculate`` turn the last two shortcuts off.
+(not failures). ``prefetch``, ``speculate`` and ``batch_writes`` turn the last three shortcuts off.
 
 Serialization failures (``40001``) and deadlocks (``40P01``) are retried inside the driver wherever the
 server reports them (a statement or ``COMMIT``), by running the operation again from the start on a fresh
@@ -74,7 +81,7 @@ import random
 import re
 import select
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from types import TracebackType
@@ -600,6 +607,7 @@ _HINT_ROWS = 16  # runs, and messages, per conversation
 _HINT_MAX_BODY = 64 * 1024  # characters: a larger message is not remembered
 _HINT_MESSAGE_BUDGET = 16 * 1024 * 1024  # characters of message bodies remembered per driver
 _MAX_PREDICTED = 8
+_BATCH_MAX = 32  # writes committed together in one transaction, at most
 
 _Body = tuple[str, str]  # a row's stored JSON and its digest (:func:`_digest`)
 
@@ -752,6 +760,11 @@ class _Hints:
 # ------------------------------------------------------------------------------------------------- rows
 
 
+class _Alone(Exception):
+    """A write in a batch needs the server before its commit (a row the hints cannot vouch for): it leaves
+    the batch and runs in a transaction of its own."""
+
+
 class _Restart(Exception):
     """What the operation was answered from moved (a read's second snapshot found the conversation
     changed, or a guard of a write failed): run the operation again, without that shortcut."""
@@ -877,6 +890,7 @@ class _PostgresRows:
         self.anchor_request: LoadHead | None = None  # a read's first request, when it may end its snapshot early
         self.anchor: tuple[str, tuple[Any, ...]] | None = None
         self._binder: psycopg.AsyncClientCursor[Any] | None = None
+        self.deferred = False  # a member of a batch: it sends nothing, and a request needing the server is _Alone
 
     # ------------------------------------------------------------------------ statements and batches
 
@@ -965,6 +979,8 @@ class _PostgresRows:
     async def _send(self, requests: Sequence[Request] = (), ends: bool = False, raw: bytes | None = None) -> None:
         """One round trip: what is pending, then a statement for each of ``requests`` (rows into ``known``),
         then ``raw`` (its result left current on the cursor). A read ends its snapshot here when ``ends``."""
+        if self.deferred:
+            raise _Alone
         statements: list[str | bytes | _Guard] = []
         slots: list[object] = []
         if not self.open:  # a read continuing after its snapshot ended: a new one, checked against the first
@@ -1373,6 +1389,27 @@ class _Attempt:
         self.rows: _PostgresRows | None = None
 
 
+class _Member:
+    """A write waiting for, or in, a batch: its operation, the first request it asked, and where its
+    outcome goes (``(result, stats)``; ``None``: run alone; or an error)."""
+
+    __slots__ = ("cid", "done", "op", "request")
+
+    def __init__(self, op: Operation[Any], request: Request, done: asyncio.Future[Any]) -> None:
+        self.op = op
+        self.request = request
+        self.cid: str = request.conversation_id  # type: ignore[union-attr]
+        self.done = done
+
+    def resolve(self, outcome: Any) -> None:
+        if not self.done.done():
+            self.done.set_result(outcome)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+
 def _sqlstate(error: BaseException) -> str | None:
     return getattr(error, "sqlstate", None)
 
@@ -1457,6 +1494,15 @@ class PostgresStoreDriver:
         self._own_backends: set[int] = set()  # server pids of this driver's connections
         self.rows_wrapper: Callable[[_PostgresRows], Any] | None = None
         """Testing seam: wraps the row primitives of every transaction (for fault injection)."""
+        self.batch_writes = True
+        """Group commit: writes of different conversations that find every connection busy are committed
+        together, in one transaction and one round trip (see :meth:`_batched`)."""
+        self.batches = 0
+        """Transactions that committed more than one write."""
+        self._queue: deque[_Member] = deque()  # writes waiting for a batch
+        self._leader_waiting = False  # a task waits for a connection to commit the next batch
+        self._leaders: set[asyncio.Task[None]] = set()
+        self._batching: set[str] = set()  # conversations with a write in a batch in flight
 
     @property
     def pool(self) -> AsyncConnectionPool[Any] | None:
@@ -1599,6 +1645,13 @@ class PostgresStoreDriver:
                 request = op.send(None)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
+            if factory is not None and access == "write" and self._batchable(request):
+                outcome = await self._batched(op, request)
+                if outcome is not None:
+                    _merge(stats, outcome[1])
+                    return outcome[0]  # type: ignore[no-any-return]
+                op = factory()  # it needs a transaction of its own: from the start
+                request = op.send(None)
             attempts, replaced, shortcuts = 0, False, True
             while True:
                 attempts += 1
@@ -1675,6 +1728,192 @@ class PostgresStoreDriver:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
+
+    # ------------------------------------------------------------------------------ group commit
+
+    def _batchable(self, request: Request) -> bool:
+        """Whether a write whose first request is ``request`` waits for a batch: group commit is on, the
+        write can answer from hints under guard (a conversation seen live), and it would wait anyway (no
+        connection is free, or writes are waiting already, or one of its conversation is in a batch)."""
+        cid = getattr(request, "conversation_id", None)
+        if not (self.batch_writes and self.speculate and isinstance(cid, str)):
+            return False
+        hint = self._hints.get(cid)
+        if hint is None or hint.head is None or hint.purged:
+            return False
+        return self._gate.locked() or bool(self._queue) or cid in self._batching
+
+    async def _batched(self, op: Operation[T], request: Request) -> tuple[T, OperationStats] | None:
+        """Commit the write ``op`` (which asked ``request`` first) together with other writes waiting at the
+        same moment: ``(result, stats)``, or ``None`` when it must run alone from the start — it needs the
+        server before its commit, or the batch failed before committing (nothing of it was written).
+
+        The batch is one transaction: each write's lock, guard and statements in turn, then ``COMMIT``; it
+        commits all of them or none. A batch holds at most one write per conversation, and takes its
+        locks in conversation order, so batches cannot deadlock with each other. ``op`` belongs to the batch
+        from here on (it closes it). Cancelled while it waits, the write is dropped unwritten; cancelled
+        once its batch is on its way, it may commit, like a write whose ``COMMIT`` was sent."""
+        done: asyncio.Future[tuple[T, OperationStats] | None] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Member(op, request, done))
+        self._kick()
+        return await done
+
+    def _kick(self) -> None:
+        """Have a task wait for the next free connection to commit what is queued (one waits at a time)."""
+        if self._queue and not self._leader_waiting:
+            self._leader_waiting = True
+            task = asyncio.ensure_future(self._lead())
+            self._leaders.add(task)
+            task.add_done_callback(self._leaders.discard)
+
+    async def _lead(self) -> None:
+        gate = self._gate
+        try:
+            if gate.locked():
+                async with asyncio.timeout(self._timeout):
+                    await gate.acquire()
+            else:
+                await gate.acquire()
+        except BaseException as error:
+            # no connection came free in time (or the loop is closing): each waiting write goes alone, and
+            # waits (and times out) on its own
+            self._leader_waiting = False
+            while self._queue:
+                self._queue.popleft().resolve(None)
+            if isinstance(error, TimeoutError):
+                return
+            raise
+        self._leader_waiting = False
+        batch = self._take()
+        try:
+            if batch:
+                self._kick()  # what is still queued waits for the next connection that comes free
+                await self._commit_batch(batch)
+        finally:
+            gate.release()
+            for member in batch:
+                self._batching.discard(member.cid)
+            if batch:
+                self._kick()  # writes held back for these conversations can go now
+
+    def _take(self) -> list[_Member]:
+        """The next batch, in queue order: at most one write per conversation, none of a conversation
+        whose batch is still in flight (that write is answered from hints the batch will change)."""
+        batch: list[_Member] = []
+        held: list[_Member] = []
+        queue, batching = self._queue, self._batching
+        while queue and len(batch) < _BATCH_MAX:
+            member = queue.popleft()
+            if member.done.done():  # its caller was cancelled while it waited
+                member.op.close()
+            elif member.cid in batching:
+                held.append(member)
+            else:
+                batching.add(member.cid)
+                batch.append(member)
+        queue.extendleft(reversed(held))
+        return batch
+
+    async def _commit_batch(self, batch: list[_Member]) -> None:
+        """Build each write of ``batch`` on hints, send them with one ``COMMIT``, and answer each write once
+        the connection is back in the pool: its result, ``None`` (alone, from the start) or an error."""
+        pool = self._pool
+        built: list[tuple[_Member, _PostgresRows, Any, OperationStats]] = []
+        outcomes: dict[_Member, Any] = {}  # no entry: None
+        committing = False
+        try:
+            if pool is None:
+                return
+            async with pool.connection(timeout=self._timeout) as conn:
+                restore = not conn.autocommit
+                if restore:
+                    await conn.set_autocommit(True)
+                try:
+                    if not _idle_and_quiet(conn):
+                        await conn.close()
+                        return
+                    wire = await _wire(conn, self._q, self)
+                    for member in sorted(batch, key=lambda m: m.cid):  # one lock order for every batch
+                        done = await self._build(conn, wire, member)
+                        if done is not None:
+                            built.append((member, *done))
+                    if not built:
+                        return
+                    carrier = _PostgresRows(conn, self._q, self._cache, "write", wire, self._hints)
+                    for _, rows, _, _ in built:
+                        carrier.pending += rows.pending[1 + len(rows.begin_settings) :]
+                    carrier.pending.append(_COMMIT)
+                    carrier.unverified = True
+                    committing = True
+                    try:
+                        await carrier._send()
+                    except (_Restart, psycopg.Error) as error:
+                        if isinstance(error, psycopg.OperationalError) and not isinstance(
+                            error, psycopg.errors.QueryCanceled
+                        ):
+                            raise  # the connection went with the COMMIT on its way: unknown
+                        committing = False  # a guard or a statement failed: nothing committed
+                        self.round_trips += await _rollback(conn)
+                        return
+                    finally:
+                        self.round_trips += carrier.sent
+                    committing = False
+                    if len(built) > 1:
+                        self.batches += 1
+                    for member, rows, result, part in built:
+                        if rows.wrote:
+                            self._hints.wrote(rows.written[0], rows.wrote)
+                        outcomes[member] = (result, part)
+                finally:
+                    if restore and not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
+                        await conn.set_autocommit(False)
+        except BaseException as error:
+            if not committing:
+                if isinstance(error, Exception):
+                    return  # no connection, or none that works: each write meets that alone, and reports it
+                raise
+            unknown = self._unavailable(error, "a batched write failed", unknown_commit=True)
+            for member, _, _, _ in built:
+                self._hints.forget(member.cid)
+                outcomes[member] = unknown
+            if not isinstance(error, Exception):
+                raise
+        finally:
+            for member in batch:
+                outcome = outcomes.get(member)
+                if isinstance(outcome, BaseException):
+                    member.fail(outcome)
+                else:
+                    member.resolve(outcome)
+
+    async def _build(
+        self, conn: psycopg.AsyncConnection[Any], wire: _Wire, member: _Member
+    ) -> tuple[_PostgresRows, Any, OperationStats] | None:
+        """Run ``member``'s operation to its end on hints alone (nothing is sent): its statements wait in
+        the rows' ``pending``. None when it needs the server first, or raised (alone, it meets that again,
+        or gets past it on the stored rows)."""
+        rows = _PostgresRows(conn, self._q, self._cache, "write", wire, self._hints)
+        rows.deferred = rows.speculate = True
+        target: Any = self.rows_wrapper(rows) if self.rows_wrapper is not None else rows
+        part = OperationStats()
+        op, request = member.op, member.request
+        try:
+            while True:
+                if isinstance(request, Purge):
+                    return None
+                answer = await getattr(target, _SYNC_DISPATCH[type(request)])(request)
+                if isinstance(request, Write):
+                    _count_write(request, part)
+                else:
+                    part.read(request, answer)
+                try:
+                    request = op.send(answer)
+                except StopIteration as done:
+                    return rows, done.value, part
+        except Exception:
+            return None
+        finally:
+            op.close()
 
     def _map(self, error: psycopg.Error, access: Access, attempt: _Attempt) -> Exception:
         state = _sqlstate(error)

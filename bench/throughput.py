@@ -4,6 +4,7 @@
                                          [--turns 10] [--model function|minimal] [--repeat 1]
                                          [--dsn postgresql://postgres@127.0.0.1:5432/test] [--pool-max 10]
                                          [--verbose] [--profile sqlite-1|postgres-1] [--switch-interval S]
+                                         [--no-group-commit]
 
 DESIGN §5: 100 conversations × 10 turns in one process, at least 10× LangGraph on the same workload
 (``bench/langgraph_throughput.py``; anchor: 46.6 turns/s on its async SQLite checkpointer), and PostgreSQL
@@ -207,7 +208,11 @@ def report(
             else ""
         )
         + f"machine_busy={busy:.2f} model={args.model} gc={args.gc}"
-        + (f" pool_max={args.pool_max}" if store == "postgres" else "")
+        + (
+            f" pool_max={args.pool_max} group_commit={'off' if args.no_group_commit else 'on'}"
+            if store == "postgres"
+            else ""
+        )
         + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else ""),
         flush=True,
     )
@@ -359,7 +364,11 @@ def server_cpu_s(before: dict[int, float] | None, after: dict[int, float] | None
 async def postgres_open(args: Any, schema: str) -> Any:
     from threadline.store.postgres import create_postgres_agent_runtime_store
 
-    return create_postgres_agent_runtime_store(dsn=tagged_dsn(args.dsn, schema), schema=schema, max_size=args.pool_max)
+    handle = create_postgres_agent_runtime_store(
+        dsn=tagged_dsn(args.dsn, schema), schema=schema, max_size=args.pool_max
+    )
+    handle.driver.batch_writes = not args.no_group_commit
+    return handle
 
 
 async def postgres_one(args: Any, schema: str, profile: bool = False) -> None:
@@ -410,6 +419,8 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
                    "--pool-max", str(-(-args.pool_max // processes))]  # fmt: skip
             if args.switch_interval is not None:
                 cmd += ["--switch-interval", str(args.switch_interval)]
+            if args.no_group_commit:
+                cmd.append("--no-group-commit")
             children.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for child in children:
             assert child.stdout is not None
@@ -490,6 +501,11 @@ def main() -> int:
         type=int,
         default=10,
         help="PostgreSQL connections in all: each of P processes gets a pool of ceil(pool_max / P)",
+    )
+    parser.add_argument(
+        "--no-group-commit",
+        action="store_true",
+        help="PostgreSQL: every write in a transaction of its own (driver.batch_writes = False)",
     )
     parser.add_argument("--profile", default=None, help="sqlite-1 or postgres-1: an extra run under cProfile")
     parser.add_argument(

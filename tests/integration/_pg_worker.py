@@ -1,6 +1,6 @@
 """A worker process: ``serve`` on a PostgreSQL schema until SIGTERM, then a bounded ``close``.
 
-Usage: python _pg_worker.py DSN SCHEMA NAME. The scripted model streams a few words (with tiny pauses, so
+Usage: python _pg_worker.py DSN SCHEMA NAME [POOL_SIZE]. The scripted model streams a few words (with tiny pauses, so
 interrupts and policies meet runs in flight) and answers with the inputs it saw.
 """
 
@@ -28,9 +28,9 @@ async def model(messages: list[Any], info: Any) -> AsyncIterator[Any]:
     yield "answer to " + " | ".join(str(t) for t in texts)
 
 
-async def main(dsn: str, schema: str, name: str) -> None:
+async def main(dsn: str, schema: str, name: str, pool_size: str = "10") -> None:
     registry = define_model_registry(models={"m": {"model": FunctionModel(stream_function=model)}})
-    async with create_postgres_agent_runtime_store(dsn, schema=schema) as pg:
+    async with create_postgres_agent_runtime_store(dsn, schema=schema, max_size=int(pool_size)) as pg:
         runtime = create_agent_runtime(
             protocol=define_agent_protocol(),
             store=pg.store,
@@ -46,8 +46,8 @@ async def main(dsn: str, schema: str, name: str) -> None:
         await stop.wait()
         closed = await runtime.close(grace_period=5, force_timeout=5)
         serving.cancel()
-        print("CLOSED", closed.settled, flush=True)
+        print("CLOSED", closed.settled, f"batches={pg.driver.batches}", flush=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))

@@ -12,20 +12,24 @@ hanging.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import pytest
 
-from threadline.errors import AgentStoreUnavailableError
+from threadline.errors import AgentConversationPurgedError, AgentStoreUnavailableError
 
 psycopg = pytest.importorskip("psycopg")
 pytest.importorskip("psycopg_pool")
 
+from psycopg_pool import AsyncConnectionPool  # noqa: E402
 from test_postgres_store import Rows, _terminate, admit, handle_for, sql  # noqa: E402
-from test_sqlite_store import turn  # noqa: E402
+from test_sqlite_store import Clock, turn  # noqa: E402
 
-from threadline.store.postgres import PostgresAgentRuntimeStoreHandle  # noqa: E402
+from threadline.store.postgres import (  # noqa: E402
+    PostgresAgentRuntimeStoreHandle,
+    create_postgres_agent_runtime_store,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -86,23 +90,39 @@ async def admitted(pg: PostgresAgentRuntimeStoreHandle, cid: str, n: str) -> boo
     return await pg.store.load_run(conversation_id=cid, run_id=f"{n}:run") is not None
 
 
-async def test_writes_waiting_together_commit_in_one_transaction(postgres_dsn: str, schema: str) -> None:
+@pytest.fixture(params=["own pool", "pool passed in"])
+async def one_connection(request: pytest.FixtureRequest, postgres_dsn: str, schema: str) -> AsyncIterator[Any]:
+    """A store with one connection: its own pool, or an application's pool (not autocommit) passed in."""
+    if request.param == "own pool":
+        async with handle_for(postgres_dsn, schema, max_size=1) as pg:
+            yield pg
+        return
+    async with (
+        AsyncConnectionPool(postgres_dsn, min_size=1, max_size=1, open=False) as pool,
+        create_postgres_agent_runtime_store(pool=pool, schema=schema, clock=Clock()) as pg,
+    ):
+        yield pg
+
+
+async def test_writes_waiting_together_commit_in_one_transaction(
+    one_connection: PostgresAgentRuntimeStoreHandle, postgres_dsn: str, schema: str
+) -> None:
     cids = [f"c{i}" for i in range(6)]
-    async with handle_for(postgres_dsn, schema, max_size=1) as pg:
-        await seen(pg, *cids)
-        async with Hold(pg) as hold:
-            trips = pg.driver.round_trips
-            tasks = start(*(admit(pg.store, cid, "t1") for cid in cids))
-            await hold.queued(len(cids))
-        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
-        assert [r.outcome for r in results] == ["accepted"] * len(cids)
-        assert pg.driver.batches == 1
-        assert pg.driver.round_trips - trips == 2  # the held read, and the batch
-        assert pg.driver.restarts == 0
-        async with handle_for(postgres_dsn, schema) as fresh:  # what a process that never saw them reads
-            for cid, result in zip(cids, results, strict=True):
-                loaded = await fresh.store.load_run(conversation_id=cid, run_id="t1:run")
-                assert loaded is not None and loaded.run == result.run
+    pg = one_connection
+    await seen(pg, *cids)
+    async with Hold(pg) as hold:
+        trips = pg.driver.round_trips
+        tasks = start(*(admit(pg.store, cid, "t1") for cid in cids))
+        await hold.queued(len(cids))
+    results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+    assert [r.outcome for r in results] == ["accepted"] * len(cids)
+    assert pg.driver.batches == 1
+    assert pg.driver.round_trips - trips == 2  # the held read, and the batch
+    assert pg.driver.restarts == 0
+    async with handle_for(postgres_dsn, schema) as fresh:  # what a process that never saw them reads
+        for cid, result in zip(cids, results, strict=True):
+            loaded = await fresh.store.load_run(conversation_id=cid, run_id="t1:run")
+            assert loaded is not None and loaded.run == result.run
 
 
 async def test_a_stale_write_fails_its_batch_and_every_write_runs_alone(postgres_dsn: str, schema: str) -> None:
@@ -144,6 +164,39 @@ async def test_a_write_cancelled_while_it_waits_is_not_written(postgres_dsn: str
         assert isinstance(done[1], asyncio.CancelledError)
         assert [await admitted(pg, cid, "t1") for cid in ("c0", "c1", "c2")] == [True, False, True]
         assert pg.driver.batches == 1
+
+
+async def test_a_purge_leaves_the_batch_and_runs_alone(postgres_dsn: str, schema: str) -> None:
+    async with handle_for(postgres_dsn, schema, max_size=1) as pg:
+        await seen(pg, "c0", "c1", "c2")
+        async with Hold(pg) as hold:
+            tasks = start(
+                admit(pg.store, "c0", "t1"),
+                pg.store.purge_conversation(conversation_id="c1"),
+                admit(pg.store, "c2", "t1"),
+            )
+            await hold.queued(3)
+        first, purged, last = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+        assert (first.outcome, last.outcome) == ("accepted", "accepted")
+        assert purged.outcome == "purged"
+        assert pg.driver.batches == 1  # c0 and c2 together; the purge on its own
+        with pytest.raises(AgentConversationPurgedError):
+            await admit(pg.store, "c1", "t2")
+
+
+async def test_no_free_connection_in_time_is_a_typed_error_and_nothing_is_written(
+    postgres_dsn: str, schema: str
+) -> None:
+    async with handle_for(postgres_dsn, schema, max_size=1, timeout=0.2) as pg:
+        await seen(pg, "c0", "c1")
+        async with Hold(pg) as hold:
+            tasks = start(admit(pg.store, "c0", "t1"), admit(pg.store, "c1", "t1"))
+            await hold.queued(2)
+            # the connection stays held until both gave up: first waiting for a batch, then alone
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
+        assert all(isinstance(e, AgentStoreUnavailableError) for e in done), done
+        assert [await admitted(pg, cid, "t1") for cid in ("c0", "c1")] == [False, False]
+        assert (await admit(pg.store, "c0", "t1")).outcome == "accepted"
 
 
 async def test_a_write_that_needs_the_server_leaves_the_batch(postgres_dsn: str, schema: str) -> None:

@@ -63,10 +63,10 @@ class Hold:
     async def queued(self, n: int) -> None:
         """Wait until ``n`` writes wait for a batch (they queue at their first await)."""
         for _ in range(1000):
-            if len(self.pg.driver._queue) == n:
+            if len(self.pg.driver._group_commit.queue) == n:
                 return
             await asyncio.sleep(0)
-        raise AssertionError(f"{len(self.pg.driver._queue)} writes queued, not {n}")
+        raise AssertionError(f"{len(self.pg.driver._group_commit.queue)} writes queued, not {n}")
 
     async def __aexit__(self, *exc: object) -> None:
         self.release.set()

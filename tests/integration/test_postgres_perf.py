@@ -322,7 +322,7 @@ async def test_a_fault_in_the_hints_is_loud_not_a_silent_extra_round_trip(
 ) -> None:
     """A probe may fail on guessed rows (that only costs a round trip); the driver's own hint code failing
     is a bug, and the operation reports it instead of quietly reading the rows itself."""
-    import threadline.store.postgres as postgres_module
+    from threadline.store.postgres._hints import Hints
 
     async with handle_for(postgres_dsn, schema) as pg:
         await turn(pg.store, "c", "t0")  # the driver now remembers this conversation: the next turn predicts
@@ -330,6 +330,6 @@ async def test_a_fault_in_the_hints_is_loud_not_a_silent_extra_round_trip(
         def broken(self: Any, request: Any) -> Any:
             raise LookupError("a bug in the hints")
 
-        monkeypatch.setattr(postgres_module._Hints, "answer", broken)
+        monkeypatch.setattr(Hints, "answer", broken)
         with pytest.raises(LookupError, match="a bug in the hints"):  # a read foresees its requests
             await pg.store.load_run(conversation_id="c", run_id="t0:run")

@@ -70,6 +70,7 @@ from .usage import AgentUsage
 C = TypeVar("C")
 VIEW_CACHE_LIMIT = 256
 """Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
+_LISTEN_RETRY_S = 1.0  # a store that could not listen is asked again at most this often
 
 
 _ARITY: dict[Any, bool] = {}
@@ -371,6 +372,7 @@ class AgentRuntime:
         self._serve_wakeup = asyncio.Event()
         self._watchers: set[asyncio.Future[None]] = set()
         self._listening: asyncio.Future[Any] | None = None
+        self._listen_retry_at = 0.0  # loop time before which a failed first listen is not tried again
         self._unobserve = store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
@@ -621,8 +623,14 @@ class AgentRuntime:
         NOTIFY): a durable interrupt committed elsewhere aborts the run executing here at once, and new
         queued work wakes ``serve``. Without them the next CAS or sweep finds out, only later."""
         listen = getattr(self.store.driver, "listen", None)
-        if listen is None or self._listening is not None or self.closing:
+        if listen is None or self.closing:
             return
+        listening = self._listening
+        if listening is not None:
+            failed = listening.done() and not listening.cancelled() and listening.exception() is not None
+            if not failed or asyncio.get_running_loop().time() < self._listen_retry_at:
+                return  # listening (the driver keeps its connection), or the server was away a moment ago
+        self._listen_retry_at = asyncio.get_running_loop().time() + _LISTEN_RETRY_S
         self._listening = asyncio.ensure_future(listen(self._notified))
         self._listening.add_done_callback(lambda f: f.cancelled() or f.exception())
 
@@ -642,7 +650,7 @@ class AgentRuntime:
             lane = self.lanes.get(str(note.get("conversation_id")))
             if lane is not None and lane.control is not None and lane.control.run_id == note.get("run_id"):
                 lane.control.abort("interrupted")
-        elif note.get("event") == "queued":
+        elif note.get("event") in ("queued", "resync"):  # resync: notifications were missed; sweep now
             self._serve_wakeup.set()
 
     async def _interrupt_elsewhere(self, conversation_id: str, newcomer: str) -> None:

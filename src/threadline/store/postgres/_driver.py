@@ -161,23 +161,43 @@ class PostgresStoreDriver:
         dedicated connection, until the returned ``stop()`` is awaited. A notification is a hint to look
         now; the durable record stays the authority (a missed one is caught by the next CAS or sweep).
         One from another process also makes the driver forget what it last saw of that conversation, so
-        its next write reads the rows instead of guarding stale ones."""
-        conninfo = self._dsn if self._dsn is not None else (self._pool.conninfo if self._pool is not None else "")
-        try:
-            conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._q.channel)))
-        except psycopg.Error as error:
-            raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+        its next write reads the rows instead of guarding stale ones.
+
+        Raises :class:`~threadline.errors.AgentStoreUnavailableError` when the first connection cannot
+        listen. A connection lost later (a server restart, ``pg_terminate_backend``) is replaced: the
+        driver connects again, backing off from 50 ms to 2 s while the server is away, and then delivers
+        ``{"event": "resync"}``: notifications sent in between were missed, so look at the durable state."""
+        conn = await self._listening_connection()
 
         async def pump() -> None:
-            async for notify in conn.notifies():
+            nonlocal conn
+            delay = 0.05
+            while True:
                 try:
-                    note = json.loads(notify.payload)
-                    if notify.pid not in self._own_backends:  # another process wrote this conversation
-                        self._hints.forget(str(note.get("conversation_id")))
-                    callback(note)
-                except Exception:
-                    continue
+                    async for notify in conn.notifies():
+                        delay = 0.05
+                        try:
+                            note = json.loads(notify.payload)
+                            if notify.pid not in self._own_backends:  # another process wrote this conversation
+                                self._hints.forget(str(note.get("conversation_id")))
+                            callback(note)
+                        except Exception:
+                            continue
+                except psycopg.Error:
+                    pass  # the connection went: listen again on a new one
+                with contextlib.suppress(Exception):
+                    await conn.close()
+                while True:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    try:
+                        conn = await self._listening_connection()
+                        break
+                    except AgentStoreUnavailableError:
+                        continue
+                self._hints.forget_all()  # writes of other processes went unheard meanwhile
+                with contextlib.suppress(Exception):
+                    callback({"event": "resync"})
 
         task = asyncio.ensure_future(pump())
 
@@ -185,9 +205,24 @@ class PostgresStoreDriver:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            await conn.close()
+            with contextlib.suppress(Exception):
+                await conn.close()
 
         return stop
+
+    async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
+        conninfo = self._dsn if self._dsn is not None else (self._pool.conninfo if self._pool is not None else "")
+        try:
+            conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
+        except psycopg.Error as error:
+            raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+        try:
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._q.channel)))
+        except psycopg.Error as error:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+        return conn
 
     def _own_backend(self, pid: int) -> None:
         if len(self._own_backends) >= HINT_CONVERSATIONS:

@@ -78,6 +78,10 @@ class Hints:
     def forget(self, cid: str) -> None:
         self._drop(cid)
 
+    def forget_all(self) -> None:
+        self.by_conversation.clear()
+        self.message_chars = 0
+
     def _get(self, cid: str) -> Hint:
         hint = self.by_conversation.get(cid)
         if hint is None:

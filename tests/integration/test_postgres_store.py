@@ -847,3 +847,41 @@ async def _random_step(both: Pair, rng: random.Random, cid: str, n: str, step: i
 
 def _accept(store: AgentRuntimeStore, **kwargs: Any) -> Awaitable[Any]:
     return store.accept_input_and_assign_run(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------- literals
+
+
+@pytest.mark.parametrize("standard_conforming_strings", ["on", "off"])
+async def test_literals_quote_exactly_like_libpq_and_read_back_unchanged(
+    postgres_dsn: str, standard_conforming_strings: str
+) -> None:
+    """Statements carry their values as SQL literals. Plain ASCII without quotes or backslashes is quoted
+    by the driver itself; everything else by libpq. Either way the server reads back the very string."""
+    from psycopg import pq
+
+    from threadline.store.postgres._statements import Wire
+
+    values = [
+        "",
+        "run_0f3a",
+        '{"text": "a \\"quoted\\" word", "n": 1}',
+        "it's",
+        "back\\slash",
+        "'",
+        "\\'",
+        "E'x'",
+        "caf\u00e9 \u2603 \U0001f600",
+        "line\nbreak\ttab",
+        "x" * 70_000,
+    ]
+    async with await psycopg.AsyncConnection.connect(postgres_dsn, autocommit=True) as conn:
+        await conn.execute(f"SET standard_conforming_strings TO {standard_conforming_strings}")
+        wire, escape = Wire(conn), pq.Escaping(conn.pgconn).escape_literal
+        for value in values:
+            literal = wire.literal(value)
+            assert literal == escape(value.encode()), value[:40]
+            cur = await conn.execute(b"SELECT " + literal, prepare=False)
+            assert (await cur.fetchone()) == (value,), value[:40]
+        with pytest.raises(psycopg.DataError, match="NUL"):
+            wire.literal("nul\x00byte")

@@ -266,3 +266,22 @@ async def test_many_conversations_at_once_on_few_connections(postgres_dsn: str, 
                     assert a.messages[-1].parts[0].text == f"{cid} answer t2"  # type: ignore[union-attr]
             finally:
                 await sql(postgres_dsn, f'DROP SCHEMA IF EXISTS "{schema}_plain" CASCADE')
+
+
+async def test_close_lets_writes_waiting_for_a_batch_commit_first(postgres_dsn: str, schema: str) -> None:
+    pg = handle_for(postgres_dsn, schema, max_size=1)
+    async with pg:
+        await seen(pg, "c0", "c1")
+        async with Hold(pg) as hold:
+            tasks = start(admit(pg.store, "c0", "t1"), admit(pg.store, "c1", "t1"))
+            await hold.queued(2)
+            closing = asyncio.ensure_future(pg.close())  # begins while the writes wait for their batch
+            for _ in range(10):
+                await asyncio.sleep(0)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+        await asyncio.wait_for(closing, WAIT)
+    assert [r.outcome for r in results] == ["accepted", "accepted"]
+    assert pg.driver.batches == 1
+    async with handle_for(postgres_dsn, schema) as fresh:
+        for cid in ("c0", "c1"):
+            assert await fresh.store.load_run(conversation_id=cid, run_id="t1:run") is not None

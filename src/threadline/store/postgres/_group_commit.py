@@ -67,7 +67,7 @@ class GroupCommit:
     def accepts(self, request: Request) -> bool:
         """Whether a write whose first request is ``request`` waits for a batch: group commit is on, the
         write can answer from hints under guard (a conversation seen live), and it would wait anyway (no
-        connection is free, or writes are waiting already, or one of its conversation is in a batch)."""
+        connection is free, writes are waiting already, or a write of its conversation is in a batch)."""
         cid = getattr(request, "conversation_id", None)
         if not (self.driver.batch_writes and self.driver.speculate and isinstance(cid, str)):
             return False

@@ -285,3 +285,30 @@ async def test_close_lets_writes_waiting_for_a_batch_commit_first(postgres_dsn: 
     async with handle_for(postgres_dsn, schema) as fresh:
         for cid in ("c0", "c1"):
             assert await fresh.store.load_run(conversation_id=cid, run_id="t1:run") is not None
+
+
+async def test_a_batch_on_a_connection_new_to_the_driver_prepares_it_first(postgres_dsn: str, schema: str) -> None:
+    async with handle_for(postgres_dsn, schema, max_size=1) as pg:
+        await seen(pg, "c0", "c1")
+        pool = pg.driver.pool
+        assert pool is not None
+        async with pool.connection() as conn:  # the only connection, as the driver prepared it
+            old = conn.info.backend_pid
+        await _terminate(postgres_dsn, old)
+        await pool.check()  # the pool replaces it: a connection that has prepared nothing
+        gate = pg.driver._gate
+        await gate.acquire()  # every slot taken: the writes below wait for a batch
+        try:
+            tasks = start(admit(pg.store, "c0", "t1"), admit(pg.store, "c1", "t1"))
+            for _ in range(1000):
+                if len(pg.driver._group_commit.queue) == 2:
+                    break
+                await asyncio.sleep(0)
+            assert len(pg.driver._group_commit.queue) == 2
+            trips = pg.driver.round_trips
+        finally:
+            gate.release()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+        assert [r.outcome for r in results] == ["accepted", "accepted"]
+        assert pg.driver.batches == 1
+        assert pg.driver.round_trips - trips == 3  # preparing the statements, then the guard shape, then the batch

@@ -40,7 +40,7 @@ from ._group_commit import GroupCommit
 from ._hints import HINT_CONVERSATIONS, Hints
 from ._rows import PostgresRows, Restart, idle_and_quiet, rollback
 from ._schema import DEFAULT_SCHEMA, PURGED_SQLSTATE, migrate
-from ._statements import Statements, prepared_wire
+from ._statements import Statements, Wire, prepared_wire
 
 T = TypeVar("T")
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
@@ -494,19 +494,36 @@ class PostgresStoreDriver:
         pool = self._pool
         if pool is None:
             raise AgentStoreUnavailableError(f"the PostgreSQL store at {self.where} was closed")
-        gate = self._gate
-        if gate.locked():
-            try:
-                async with asyncio.timeout(self._timeout):
-                    await gate.acquire()
-            except TimeoutError:
-                raise PoolTimeout(f"no connection free within {self._timeout} s") from None
-        else:
-            await gate.acquire()
+        try:
+            await self._take_slot()
+        except TimeoutError:
+            raise PoolTimeout(f"no connection free within {self._timeout} s") from None
         try:
             return await self._on_connection(pool, op, request, access, stats, attempt, factory, shortcuts)
         finally:
-            gate.release()
+            self._gate.release()
+
+    async def _take_slot(self) -> None:
+        """One of the pool's slots (release it on ``_gate``), waiting in FIFO order; ``TimeoutError`` after
+        ``timeout`` seconds."""
+        gate = self._gate
+        if gate.locked():
+            async with asyncio.timeout(self._timeout):
+                await gate.acquire()
+        else:
+            await gate.acquire()
+
+    async def _session(self, conn: psycopg.AsyncConnection[Any]) -> tuple[Wire, bool]:
+        """Ready a pooled connection for a transaction: autocommit on (a pool passed in may hand out
+        connections without it: the flag returned says to restore it), the server's goodbye not waiting
+        (``OperationalError``: use another connection), this schema's statements prepared."""
+        restore = not conn.autocommit
+        if restore:
+            await conn.set_autocommit(True)
+        if not idle_and_quiet(conn):
+            await conn.close()
+            raise psycopg.OperationalError("the pooled connection was closed by the server")
+        return await prepared_wire(conn, self._q, self), restore
 
     async def _on_connection(
         self,
@@ -521,14 +538,9 @@ class PostgresStoreDriver:
     ) -> T:
         async with pool.connection(timeout=self._timeout) as conn:
             attempt.connected = True
-            restore = not conn.autocommit  # a pool passed in may hand out non-autocommit connections
-            if restore:
-                await conn.set_autocommit(True)
+            restore = False
             try:
-                if not idle_and_quiet(conn):  # the server's goodbye is waiting: use another connection
-                    await conn.close()
-                    raise psycopg.OperationalError("the pooled connection was closed by the server")
-                wire = await prepared_wire(conn, self._q, self)
+                wire, restore = await self._session(conn)
                 rows = attempt.rows = PostgresRows(conn, self._q, self._cache, access, wire, self._hints)
                 history: list[tuple[Request, Any]] | None = None
                 if factory is not None and self.prefetch:

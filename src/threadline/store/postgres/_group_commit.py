@@ -19,8 +19,8 @@ from ..driver import (
     Write,
     _count_write,
 )
-from ._rows import PostgresRows, Restart, idle_and_quiet, rollback
-from ._statements import COMMIT, Wire, prepared_wire
+from ._rows import PostgresRows, Restart, rollback
+from ._statements import COMMIT, Wire
 
 if TYPE_CHECKING:
     from ._driver import PostgresStoreDriver
@@ -102,11 +102,7 @@ class GroupCommit:
     async def _lead(self) -> None:
         gate = self.driver._gate
         try:
-            if gate.locked():
-                async with asyncio.timeout(self.driver._timeout):
-                    await gate.acquire()
-            else:
-                await gate.acquire()
+            await self.driver._take_slot()
         except BaseException as error:
             # no connection came free in time (or the loop is closing): each waiting write goes alone, and
             # waits (and times out) on its own
@@ -158,14 +154,9 @@ class GroupCommit:
             if pool is None:
                 return
             async with pool.connection(timeout=self.driver._timeout) as conn:
-                restore = not conn.autocommit
-                if restore:
-                    await conn.set_autocommit(True)
+                restore = False
                 try:
-                    if not idle_and_quiet(conn):
-                        await conn.close()
-                        return
-                    wire = await prepared_wire(conn, self.driver._q, self)
+                    wire, restore = await self.driver._session(conn)  # a connection that fails: all alone
                     for member in sorted(batch, key=lambda m: m.cid):  # one lock order for every batch
                         done = await self._build(conn, wire, member)
                         if done is not None:

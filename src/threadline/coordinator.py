@@ -10,11 +10,13 @@ boundary, ``queue`` leaves it alone.
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import AgentRunOwnershipConflictError, AgentRunUnsettledError
+from .errors import AgentConversationPurgedError, AgentRunOwnershipConflictError, AgentRunUnsettledError
 from .loop import RunControl
 from .records import Run
 
@@ -23,6 +25,25 @@ if TYPE_CHECKING:
 
 INPUT_POLICIES = ("queue", "inject", "interrupt", "interrupt-next", "supersede")
 _ABORT_REASON = {"interrupt": "interrupted", "interrupt-next": "interrupted", "supersede": "superseded"}
+MAX_REFUSALS = 64
+"""Acquisitions of one run the store may refuse in a row (each refusal means another write moved the
+conversation) before the lane gives up on it and says so, rather than spinning."""
+_log = logging.getLogger("threadline.runtime")
+
+
+class Step(enum.Enum):
+    """What a lane does after :meth:`AgentRuntime.execute` handled one run."""
+
+    DONE = "done"
+    """The run ended or its ticket was settled: go on with the next one."""
+    REFUSED = "refused"
+    """The store refused the acquisition (the conversation moved): read the stored runs and look again."""
+    STOP = "stop"
+    """The run could not be settled: later runs wait behind it, and their tickets say so."""
+    GONE = "gone"
+    """The conversation was purged: nothing else here can run."""
+    CLOSED = "closed"
+    """The runtime is closing: queued runs stay queued for ``recover()``."""
 
 
 @dataclass
@@ -40,6 +61,8 @@ class Lane:
     started: dict[str, tuple[Run, int, Any]] = field(default_factory=dict)
     """Runs this process's admissions acquired in the same commit (run, version, the first request's
     operation): they are executed without an acquisition."""
+    successor: bool = False
+    """This runtime committed a terminal here: it starts the next queued run too, whoever admitted it."""
 
     @property
     def busy(self) -> bool:
@@ -100,8 +123,8 @@ class Lane:
     async def _run_queue(self) -> None:
         runtime = self.runtime
         hint = self._sole_admitted()
-        while not runtime.closing or self.started:
-            guessed = hint is not None
+        refused: tuple[str, int] = ("", 0)  # (run, refusals in a row)
+        while (self.contexts or self.successor) and (not runtime.closing or self.started):
             if hint is not None:
                 # the common case: one input, nothing ahead of it here; skip the read of the active runs
                 head, hint = hint, None
@@ -111,12 +134,44 @@ class Lane:
                     return
                 head = found
             self.admitted.pop(head.id, None)
-            proceed = await runtime.execute(self, head, self.contexts[head.id])
-            if guessed and proceed and runtime.waiters.waiting(head.id):
-                continue  # refused (order, revision or state moved): look at the stored runs
+            step = await runtime.execute(self, head, self.contexts[head.id])
+            if step is Step.REFUSED:
+                # every refusal is the store saying the conversation moved: look at the stored runs again
+                count = refused[1] + 1 if refused[0] == head.id else 1
+                refused = (head.id, count)
+                if count < MAX_REFUSALS:
+                    continue
+                _log.warning("run %s: the store refused its acquisition %d times in a row", head.id, count)
+                self._strand(head, gone=False)  # its own tickets too: nothing settled them
+                return
             self.contexts.pop(head.id, None)
-            if not proceed or not self.contexts:
-                return  # nothing else this process was asked to run here
+            if step is Step.CLOSED:
+                return
+            if step is not Step.DONE:
+                self._strand(head, gone=step is Step.GONE)
+                return
+
+    def _strand(self, head: Run, *, gone: bool) -> None:
+        """The lane cannot go on behind ``head``: settle the tickets of what it was asked to run here."""
+        runtime = self.runtime
+        for run_id in list(self.contexts):
+            self.contexts.pop(run_id, None)
+            if gone:
+                runtime.waiters.reject(run_id, AgentConversationPurgedError(self.conversation_id))
+                continue
+            why = (
+                "the store kept refusing its acquisition"
+                if run_id == head.id
+                else f"it is queued behind run {head.id}, which could not be settled here"
+            )
+            runtime.waiters.reject(
+                run_id,
+                AgentRunUnsettledError(
+                    f"run {run_id} did not run: {why}; recover() or resume() runs it",
+                    run=self.admitted.get(run_id, head),
+                    owner_id=None,
+                ),
+            )
 
     async def _stored_head(self) -> Run | None:
         """The first active run in durable order, if this lane may run it now; otherwise None, with the
@@ -124,12 +179,21 @@ class Lane:
         runtime = self.runtime
         active = await runtime.retry_store(lambda: runtime.store.list_active_runs(conversation_id=self.conversation_id))
         await self._settle_ended(active.runs)
+        successor, self.successor = self.successor, False
         if not active.runs:
             return None
         head = active.runs[0]
         if head.id in self.started:  # acquired by this process's own admission: run it
             self.blocked_on = None
             return head
+        if successor and head.state == "queued" and head.id not in self.contexts:
+            # queued behind the run this runtime just ended, admitted elsewhere: run it here if its context
+            # can be resolved (its admitter's lane saw the run ahead held by this runtime and let it be)
+            resolved, context = await runtime.resolve_context_of(head)
+            if resolved:
+                self.contexts[head.id] = context
+                self.blocked_on = None
+                return head
         if head.acquired or head.id not in self.contexts:
             # another executor holds it, or an orphan from an earlier process: recovery decides.
             # Inputs waiting behind it cannot run here now; their tickets say so.

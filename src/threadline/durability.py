@@ -328,13 +328,19 @@ async def run_agent_step(
     body: StepBody,
     *,
     reconcile: StepReconcile | None = None,
+    joined_run_ids: tuple[str, ...] = (),
 ) -> Any:
     """What ``AgentToolContext.step`` does: through ``durability`` when there is one, otherwise run the
     body and return a detached, lossless-JSON copy of its value (nothing recorded, ``reconcile`` unused).
+    ``joined_run_ids``: queued runs whose injected inputs the run answers too (the step stands for them).
 
     Cancellation: without durability, cancelling cancels the body; nothing is recorded either way.
     """
     if durability is not None:
+        if joined_run_ids:  # only then: a ledger written before this keyword existed keeps working
+            return await durability.step(
+                conversation_id, run_id, effect_name, body, reconcile=reconcile, joined_run_ids=joined_run_ids
+            )
         return await durability.step(conversation_id, run_id, effect_name, body, reconcile=reconcile)
     _check_name("effect name", effect_name)
     _check_callable(effect_name, body, "the body")
@@ -359,6 +365,7 @@ class AgentStepDurability(Protocol):
         body: StepBody,
         *,
         reconcile: StepReconcile | None = None,
+        joined_run_ids: tuple[str, ...] = (),
     ) -> Any: ...
 
     async def read(self, conversation_id: str, run_id: str, effect_name: str) -> AgentStepRecord | None: ...
@@ -378,17 +385,23 @@ class _MemoryLedger:
     def __init__(self) -> None:
         self.rows: dict[AgentStepKey, _Row] = {}
 
-    def claim(self, key: AgentStepKey, now: str) -> _Row | None:
-        row = self.rows.get(key)
-        if row is None:
+    def claim(self, keys: tuple[AgentStepKey, ...], now: str) -> tuple[AgentStepKey, _Row] | None:
+        for key in keys:
+            row = self.rows.get(key)
+            if row is not None:
+                return key, row
+        for key in keys:
             self.rows[key] = ("intent", None, now, None, 0)
-        return row
+        return None
 
-    def accept(self, key: AgentStepKey, text: str, now: str, reconciled: bool) -> _Row | None:
-        row = self.rows.get(key)
+    def accept(self, keys: tuple[AgentStepKey, ...], text: str, now: str, reconciled: bool) -> _Row | None:
+        row = self.rows.get(keys[0])
         if row is None or row[0] != "intent":
             return row
-        self.rows[key] = ("accepted", text, row[2], now, int(reconciled))
+        for key in keys:
+            current = self.rows.get(key)
+            if current is not None and current[0] == "intent":
+                self.rows[key] = ("accepted", text, current[2], now, int(reconciled))
         return None
 
     def read(self, key: AgentStepKey) -> _Row | None:
@@ -489,25 +502,36 @@ class _SqliteLedger:
                 raise _map_sqlite(error, self.filename) from error
             raise
 
-    def claim(self, key: AgentStepKey, now: str) -> _Row | None:
-        def work(conn: sqlite3.Connection) -> _Row | None:
-            inserted = conn.execute(
+    def claim(self, keys: tuple[AgentStepKey, ...], now: str) -> tuple[AgentStepKey, _Row] | None:
+        """The first existing record among ``keys``, or None after committing an intent under every key
+        (one transaction: the effect is claimed for all of them or for none)."""
+
+        def work(conn: sqlite3.Connection) -> tuple[AgentStepKey, _Row] | None:
+            for key in keys:
+                row = conn.execute(_SELECT, key).fetchone()
+                if row is not None:
+                    return key, row
+            conn.executemany(
                 f"INSERT INTO {STEP_EFFECTS_TABLE} (conversation_id, run_id, effect_name, state, intent_at) "
-                "VALUES (?, ?, ?, 'intent', ?) ON CONFLICT DO NOTHING",
-                (*key, now),
-            ).rowcount
-            return None if inserted == 1 else conn.execute(_SELECT, key).fetchone()
+                "VALUES (?, ?, ?, 'intent', ?)",
+                [(*key, now) for key in keys],
+            )
+            return None
 
         return self._transaction(work)
 
-    def accept(self, key: AgentStepKey, text: str, now: str, reconciled: bool) -> _Row | None:
+    def accept(self, keys: tuple[AgentStepKey, ...], text: str, now: str, reconciled: bool) -> _Row | None:
         def work(conn: sqlite3.Connection) -> _Row | None:
-            updated = conn.execute(
+            update = (
                 f"UPDATE {STEP_EFFECTS_TABLE} SET state = 'accepted', value = ?, accepted_at = ?, reconciled = ? "
-                f"WHERE {_WHERE_KEY} AND state = 'intent'",
-                (text, now, int(reconciled), *key),
-            ).rowcount
-            return None if updated == 1 else conn.execute(_SELECT, key).fetchone()
+                f"WHERE {_WHERE_KEY} AND state = 'intent'"
+            )
+            updated = conn.execute(update, (text, now, int(reconciled), *keys[0])).rowcount
+            if updated != 1:
+                return conn.execute(_SELECT, keys[0]).fetchone()
+            for key in keys[1:]:
+                conn.execute(update, (text, now, int(reconciled), *key))
+            return None
 
         return self._transaction(work)
 
@@ -596,8 +620,14 @@ class LocalStepDurability:
         body: StepBody,
         *,
         reconcile: StepReconcile | None = None,
+        joined_run_ids: tuple[str, ...] = (),
     ) -> Any:
         """Run ``body`` at most once for this key and return its lossless-JSON value (a detached copy).
+
+        ``joined_run_ids``: queued runs whose injected inputs this run answers too. The intent and the proof
+        are then recorded under their keys as well (``(conversation_id, joined_run_id, effect_name)``), and a
+        record under any of them counts: when such a run later executes itself and calls the same step, it
+        gets this proof (or this uncertainty) and the body does not run again.
 
         New key: commit the intent, run the body, check its value (:class:`AgentStepValueError` after the
         body ran; the intent stays), commit the proof, return. Accepted key: return the proof without
@@ -617,23 +647,29 @@ class LocalStepDurability:
         _check_callable(effect_name, body, "the body")
         if reconcile is not None:
             _check_callable(effect_name, reconcile, "reconcile")
-        key = AgentStepKey(conversation_id, run_id, effect_name)
-        while (running := self._inflight.get(key)) is not None:
+        for joined in joined_run_ids:
+            _check_name("joined run id", joined)
+        keys = tuple(
+            dict.fromkeys(AgentStepKey(conversation_id, r, effect_name) for r in (run_id, *joined_run_ids))
+        )
+        while (running := next((f for k in keys if (f := self._inflight.get(k)) is not None), None)) is not None:
             await asyncio.shield(running)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = done
+        for k in keys:
+            self._inflight[k] = done
         try:
-            return await self._step(key, body, reconcile)
+            return await self._step(keys, body, reconcile)
         finally:
-            del self._inflight[key]
+            for k in keys:
+                del self._inflight[k]
             done.set_result(None)
 
-    async def _step(self, key: AgentStepKey, body: StepBody, reconcile: StepReconcile | None) -> Any:
-        existing = await self._run(self._ledger.claim, key, _now())
-        if existing is None:  # the intent is committed: this call owns the effect
-            copied, text = _lossless(await _call(body), key.effect_name)
-            return await self._accept(key, copied, text, reconciled=False)
-        record = self._record(key, existing)
+    async def _step(self, keys: tuple[AgentStepKey, ...], body: StepBody, reconcile: StepReconcile | None) -> Any:
+        found = await self._run(self._ledger.claim, keys, _now())
+        if found is None:  # the intent is committed: this call owns the effect
+            copied, text = _lossless(await _call(body), keys[0].effect_name)
+            return await self._accept(keys, copied, text, reconciled=False)
+        record = self._record(*found)
         if record.state == "accepted":
             return record.value
         if reconcile is None:
@@ -641,14 +677,14 @@ class LocalStepDurability:
         proof = await _call(reconcile, record)
         if proof is None:
             raise AgentStepUncertainError(record, reconcile_attempted=True)
-        copied, text = _lossless(proof, key.effect_name)
-        return await self._accept(key, copied, text, reconciled=True)
+        copied, text = _lossless(proof, record.effect_name)
+        return await self._accept((found[0],), copied, text, reconciled=True)
 
-    async def _accept(self, key: AgentStepKey, copied: Any, text: str, *, reconciled: bool) -> Any:
-        write = asyncio.ensure_future(self._run(self._ledger.accept, key, text, _now(), reconciled))
+    async def _accept(self, keys: tuple[AgentStepKey, ...], copied: Any, text: str, *, reconciled: bool) -> Any:
+        write = asyncio.ensure_future(self._run(self._ledger.accept, keys, text, _now(), reconciled))
         current = await asyncio.shield(write)
         if current is not None and current[0] == "accepted":  # another process accepted it first
-            return self._record(key, current).value
+            return self._record(keys[0], current).value
         return copied  # accepted now (or the conversation was purged meanwhile)
 
     async def read(self, conversation_id: str, run_id: str, effect_name: str) -> AgentStepRecord | None:

@@ -4,7 +4,8 @@ Failures are classified by exception type, never by message text. The tree::
 
     ThreadlineError
     ├── AgentRuntimeUsageError            the application called threadline wrongly
-    │   └── AgentRecordValidationError    a record or argument failed validation
+    │   ├── AgentRecordValidationError    a record or argument failed validation
+    │   └── AgentConfigError              a configuration value is invalid (refused when it is given)
     ├── AgentRecordSchemaVersionError     a stored record carries an unknown schema_version
     ├── AgentStoreError                   the store could not do what was asked
     │   ├── AgentStoreConflictError       a compare-and-swap lost: nothing was written
@@ -20,6 +21,7 @@ Failures are classified by exception type, never by message text. The tree::
     │   ├── AgentStoreSchemaError         the database schema is unknown, partial or unsupported
     │   └── AgentStoreCorruptRecordError  a stored row is malformed or foreign
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
+    ├── AgentToolFenceLostError           a tool fence check said this executor no longer owns the run
     └── AgentContextOverflowError         a prepared step cannot fit the model window
 
 Every store error guarantees that nothing was written by the failing call — with one exception a
@@ -32,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = (
+    "AgentConfigError",
     "AgentContextOverflowError",
     "AgentConversationPurgedError",
     "AgentIdempotencyConflictError",
@@ -50,6 +53,7 @@ __all__ = (
     "AgentStoreError",
     "AgentStoreSchemaError",
     "AgentStoreUnavailableError",
+    "AgentToolFenceLostError",
     "ThreadlineError",
 )
 
@@ -66,6 +70,15 @@ class AgentRecordValidationError(AgentRuntimeUsageError):
     """A record or argument is invalid. ``field`` names where, when known."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class AgentConfigError(AgentRuntimeUsageError):
+    """A configuration value is invalid. Raised where the value is given (constructing a policy, building a
+    runtime), never at the first run; ``field`` names it, the message says what it accepts."""
+
+    def __init__(self, message: str, *, field: str) -> None:
         super().__init__(message)
         self.field = field
 
@@ -172,6 +185,12 @@ class AgentRunUnsettledError(ThreadlineError):
         super().__init__(message)
         self.run = run
         self.owner_id = owner_id
+
+
+class AgentToolFenceLostError(ThreadlineError):
+    """A fence check (``create_agent_tool_fence_lifecycle``) found that this executor no longer owns the run,
+    or could not confirm that it does. It is a control signal, never a tool error: the run's loop stops
+    without applying the call's result or committing a terminal, and the model never sees it."""
 
 
 class AgentContextOverflowError(ThreadlineError):

@@ -27,13 +27,14 @@ operator-only sink opts in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 from typing_extensions import TypedDict
 
-from .records import Message, Part, ProviderEnvelope, Run, RunOperation
+from .records import Message, Part, ProviderEnvelope, Run, RunOperation, evolve
 from .usage import AgentUsage
 
 AGENT_TOOL_PROGRESS_MESSAGE_MAX = 280
@@ -95,6 +96,26 @@ class _Transient(_Event):
         return f"{self.run_id}:{self.runtime_epoch}:{self.sequence}"
 
 
+def delivered_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
+    """``parts`` as product delivery shows them: provider metadata stays in the store (it goes back only
+    to the provider that produced it), so envelopes are removed and opaque provider parts left out."""
+    if not any(p.type == "provider" or getattr(p, "envelope", None) is not None for p in parts):
+        return parts if isinstance(parts, tuple) else tuple(parts)
+    return tuple(
+        evolve(p, {"envelope": None}) if getattr(p, "envelope", None) is not None else p
+        for p in parts
+        if p.type != "provider"
+    )
+
+
+def delivered_message(message: Message | None) -> Message | None:
+    """A message as product delivery shows it (:func:`delivered_parts`)."""
+    if message is None:
+        return None
+    parts = delivered_parts(message.parts)
+    return message if parts is message.parts else evolve(message, {"parts": parts})
+
+
 def durable_event_id(run_id: str, event_type: str, version: int, phase: str | None = None) -> str:
     """Stable identity of a post-commit event: (run id, event type, snapshot version), plus the phase
     for ``run-operation`` (so each phase of one operation has its own id)."""
@@ -120,6 +141,8 @@ class RunStateEvent(_Durable):
 
 
 class AssistantCheckpointEvent(_Durable):
+    """The draft as committed, without provider envelopes (:func:`delivered_parts`)."""
+
     type: Literal["assistant-checkpoint"] = "assistant-checkpoint"
     message_id: str
     parts: tuple[Part, ...]
@@ -215,7 +238,8 @@ class AttemptResetEvent(_Transient):
 
 class TerminalEvent(_Durable):
     """Published only by the executor whose terminal CAS won. Always carries ``usage``: a run that ended
-    before any provider reported anything carries every field ``unavailable``."""
+    before any provider reported anything carries every field ``unavailable``. ``assistant`` is the
+    stored answer without provider envelopes (:func:`delivered_message`)."""
 
     type: Literal["terminal"] = "terminal"
     terminal_reason: str

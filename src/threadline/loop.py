@@ -21,7 +21,9 @@ import asyncio
 import collections
 import contextlib
 import functools
+import hashlib
 import inspect
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +38,6 @@ from pydantic_ai.exceptions import (
     ModelUnavailableError,
 )
 from pydantic_ai.messages import (
-    InstructionPart,
     ModelResponse,
     PartDeltaEvent,
     PartEndEvent,
@@ -50,10 +51,12 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
+from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
 from .approvals import AgentApprovalInvalidError, approval_state, sign_tool_call, verify_tool_call
 from .errors import (
+    AgentConfigError,
     AgentContextOverflowError,
     AgentConversationPurgedError,
     AgentRecordNotFoundError,
@@ -62,6 +65,7 @@ from .errors import (
     AgentRunStateConflictError,
     AgentRuntimeUsageError,
     AgentStoreConflictError,
+    AgentToolFenceLostError,
 )
 from .events import (
     AgentProviderResponse,
@@ -75,9 +79,11 @@ from .events import (
     RunOperationEvent,
     ToolProgressEvent,
     ToolStatusEvent,
+    delivered_parts,
     durable_event_id,
 )
 from .history.projection import AgentHistoryProjectionOptions
+from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
@@ -215,6 +221,8 @@ class _Failure(Exception):
         self.reason = reason
         self.cause = cause
         self.partial: list[Part] = []
+        self.response: ModelResponse | None = None
+        """What the provider had sent before a failed request (its response identity, partial usage)."""
 
 
 # ------------------------------------------------------------------------------------ configuration
@@ -270,7 +278,11 @@ class AgentCompactionRequest:
     """What a runtime-managed compaction hook receives before each step. The hook decides (typically
     from ``context_usage``) whether to compact — e.g. with ``threadline.history.compaction.
     structured_compaction(store, conversation_id, ...)`` — and may simply return when it is not needed.
-    Its invocation is recorded as a ``compaction`` run operation either way."""
+    Its invocation is recorded as a ``compaction`` run operation either way.
+
+    What the hook's summarizer spent enters the run's usage (:attr:`threadline.records.Run.usage`): pass it
+    to ``report_usage`` (an ``AgentUsage``, or the summarizer's pydantic-ai ``ModelResponse`` or
+    ``RequestUsage``), or return an ``AgentUsage`` from the hook."""
 
     conversation_id: str
     run: Run
@@ -278,6 +290,7 @@ class AgentCompactionRequest:
     context: Any
     store: Any
     context_usage: AgentContextUsage
+    report_usage: Callable[[Any], None] = lambda usage: None
 
 
 def _retryable_by_default(error: BaseException) -> bool:
@@ -301,6 +314,34 @@ class AgentRetryPolicy:
     max_delay: float = 30.0
     retry_on: Callable[[BaseException], bool] = _retryable_by_default
     retry_timeouts: bool = False
+
+    def __post_init__(self) -> None:
+        # refused here, where the policy is built: a bad value must never surface mid-run
+        count = self.max_attempts
+        if type(count) is not int or count < 0:
+            raise AgentConfigError(
+                f"loop.retry.max_attempts is a non-negative integer (attempts in all, 1 = no retry), got {count!r}",
+                field="loop.retry.max_attempts",
+            )
+        for name in ("initial_delay", "multiplier", "max_delay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise AgentConfigError(
+                    f"loop.retry.{name} is a finite, non-negative number of seconds, got {value!r}"
+                    if name != "multiplier"
+                    else f"loop.retry.multiplier is a finite, non-negative number, got {value!r}",
+                    field=f"loop.retry.{name}",
+                )
+        if not callable(self.retry_on):
+            raise AgentConfigError(
+                f"loop.retry.retry_on is a callable taking the exception, got {type(self.retry_on).__name__}",
+                field="loop.retry.retry_on",
+            )
+        if type(self.retry_timeouts) is not bool:
+            raise AgentConfigError(
+                f"loop.retry.retry_timeouts is True or False, got {self.retry_timeouts!r}",
+                field="loop.retry.retry_timeouts",
+            )
 
     def delay(self, attempt: int, error: BaseException | None = None) -> float:
         base = min(self.max_delay, self.initial_delay * self.multiplier ** max(0, attempt - 1))
@@ -384,22 +425,48 @@ def _envelope(provider: str, data: Any) -> ProviderEnvelope:
     return ProviderEnvelope(provider=provider or "unknown", data=to_jsonable_python(data))
 
 
+def _metadata(part: Any, **fields: Any) -> dict[str, Any]:
+    """What a provider attached to a response part: its item ``id``, its ``provider_details`` (Gemini's
+    ``thought_signature``, an OpenAI ``phase``) and ``fields``; None values left out."""
+    data = {"id": part.id, "provider_details": part.provider_details, **fields}
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def _attached(part: Any, provider: str) -> ProviderEnvelope | None:
+    """The envelope of a text or tool-call part's metadata, or None when the provider attached none."""
+    if part.id is None and not part.provider_details:  # the usual case, at every checkpoint: nothing to keep
+        return None
+    data = _metadata(part)
+    return _envelope(part.provider_name or provider, data) if data else None
+
+
 def canonical_parts(response: ModelResponse, provider: str) -> list[Part]:
-    """pydantic-ai response parts as canonical parts. Unknown kinds are kept opaque, never dropped."""
+    """pydantic-ai response parts as canonical parts. Unknown kinds are kept opaque, never dropped; so is
+    provider metadata on text, tool calls and reasoning (an empty text part is kept only for its metadata:
+    Gemini may put a thought signature there)."""
     parts: list[Part] = []
     for p in response.parts:
         if isinstance(p, PaiTextPart):
-            if p.content:
-                parts.append(TextPart(text=p.content))
+            envelope = _attached(p, provider)
+            if p.content or envelope is not None:
+                parts.append(TextPart(text=p.content, envelope=envelope))
         elif isinstance(p, PaiThinkingPart):
-            data = {"id": p.id, "signature": p.signature, "provider_details": p.provider_details}
+            # reasoning always names its provider, metadata or not: no other provider may read it back
+            data = _metadata(p, signature=p.signature)
             parts.append(ReasoningPart(text=p.content, envelope=_envelope(p.provider_name or provider, data)))
         elif isinstance(p, PaiToolCallPart):
             try:
                 args: Any = p.args_as_dict()
             except ValueError:
                 args = p.args if isinstance(p.args, str) else None
-            parts.append(ToolCallPart(call_id=p.tool_call_id, tool_name=p.tool_name, input=to_jsonable_python(args)))
+            parts.append(
+                ToolCallPart(
+                    call_id=p.tool_call_id,
+                    tool_name=p.tool_name,
+                    input=to_jsonable_python(args),
+                    envelope=_attached(p, provider),
+                )
+            )
         else:
             parts.append(ProviderPart(envelope=_envelope(provider, {"part": p})))
     return parts
@@ -515,12 +582,18 @@ class _OwnedRun:
         self._busy = False
 
     async def checkpoint(
-        self, parts: Sequence[Part], operation: RunOperation | None = None, preceding: RunOperation | None = None
+        self,
+        parts: Sequence[Part],
+        operation: RunOperation | None = None,
+        preceding: RunOperation | None = None,
+        usage: AgentUsage | None = None,
     ) -> None:
-        """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit. ``preceding``
-        is a phase that commit also stands for (a first output folded into the step's completion): its
-        event is published first, with its original timestamp."""
-        result = await self._owned(self.env.store.checkpoint_run_assistant, parts=list(parts), operation=operation)
+        """Checkpoint the draft; with ``operation`` its phase is recorded in the same commit, with ``usage``
+        the run's cumulative spend. ``preceding`` is a phase that commit also stands for (a first output
+        folded into the step's completion): its event is published first, with its original timestamp."""
+        result = await self._owned(
+            self.env.store.checkpoint_run_assistant, parts=list(parts), operation=operation, usage=usage
+        )
         self.checkpoints += 1
         self.published_checkpoint(parts, result.version, preceding, operation)
 
@@ -538,7 +611,7 @@ class _OwnedRun:
                 run_id=run.id,
                 version=version,
                 message_id=run.assistant_message_id,
-                parts=tuple(parts),
+                parts=delivered_parts(parts),
             )
         )
         if preceding is not None:
@@ -559,18 +632,19 @@ class _OwnedRun:
             )
         )
 
-    async def record(self, operation: RunOperation) -> None:
-        result = await self._owned(self.env.store.record_run_operation, operation=operation)
+    async def record(self, operation: RunOperation, usage: AgentUsage | None = None) -> None:
+        result = await self._owned(self.env.store.record_run_operation, operation=operation, usage=usage)
         self._published_operation(operation, result.version)
 
     async def renew(self, expires_at: Any) -> None:
         await self._owned(self.env.store.renew_run_lease, lease_expires_at=expires_at)
 
-    async def fence(self) -> None:
-        """Check that this process still owns the run, before a step's tool effects: by reading it, unless
-        the step's finish commit just did (``vouched``). (A result is accepted only by the next owned
-        commit, whose CAS checks ownership again.)"""
-        if self.vouched:
+    async def fence(self, after: bool = False) -> None:
+        """Check that this process still owns the run: before a step's tool effects (by reading it, unless
+        the step's finish commit just did: ``vouched``) and, with ``after``, once a tool returned, before
+        its result is accepted (always a read: time passed inside the tool). The next owned commit's CAS
+        checks ownership once more."""
+        if self.vouched and not after:
             return
         try:
             current = await self._still_owned()
@@ -593,6 +667,13 @@ class _Execution:
         step 0 then needs no admission commit of its own."""
         self.parts: list[Part] = []
         self.usage = NO_USAGE
+        """What this execution spent (its own figures: the operator ``run-terminal`` and metrics report it)."""
+        self.spent_before: AgentUsage = run.usage
+        """What earlier executions of the run committed (a run requeued after a crash)."""
+        self._committed_usage: AgentUsage = NO_USAGE
+        """``usage`` as of the last commit that recorded it (later commits carry it only once it changed)."""
+        self._paused = False
+        """The run stops for a pending approval request (terminal acceptance is not consulted then)."""
         self.claims: dict[str, AbsorbClaim] = {}
         self.steps = 0
         self.attempt = 1
@@ -610,6 +691,28 @@ class _Execution:
     @property
     def run(self) -> Run:
         return self.owned.run
+
+    def total_usage(self) -> AgentUsage:
+        """The run's cumulative spend: earlier executions' committed usage plus this execution's."""
+        return self.spent_before + self.usage if self.spent_before.steps else self.usage
+
+    def _unrecorded_usage(self) -> tuple[AgentUsage, AgentUsage | None]:
+        """(this execution's usage now, the run total to record with the next commit, or None when the last
+        commit recorded it already): spend rides on commits the run makes anyway."""
+        spent = self.usage
+        return spent, (None if spent is self._committed_usage else self.total_usage())
+
+    async def _checkpoint(
+        self, parts: Sequence[Part], operation: RunOperation | None = None, preceding: RunOperation | None = None
+    ) -> None:
+        spent, usage = self._unrecorded_usage()
+        await self.owned.checkpoint(parts, operation, preceding, usage=usage)
+        self._committed_usage = spent
+
+    async def _record(self, operation: RunOperation) -> None:
+        spent, usage = self._unrecorded_usage()
+        await self.owned.record(operation, usage=usage)
+        self._committed_usage = spent
 
     def _transient(self, cls: type, **fields: Any) -> None:
         """Publish a transient event, numbered from 1 per run counting only what is published."""
@@ -743,6 +846,7 @@ class _Execution:
             raise
         except _Failure as failure:
             failure.partial = self._partial(state, model)
+            failure.response = state["stream"].get() if state["stream"] is not None else None
             await self._finish_operation(operation, "failed", failure.reason)
             raise
         self._step_usage = AgentUsage.from_response(response)
@@ -825,7 +929,7 @@ class _Execution:
     async def _finish_operation(self, operation: RunOperation, phase: str, detail: str | None = None) -> None:
         """Record a failed or cancelled request; the failure that ended it stays the one reported."""
         with contextlib.suppress(_Failure, _FenceLost):
-            await self.owned.record(evolve(operation, {"phase": phase, "finished_at": _now(), "detail": detail}))
+            await self._record(evolve(operation, {"phase": phase, "finished_at": _now(), "detail": detail}))
 
     def _on_event(
         self, event: PartStartEvent | PartDeltaEvent, operation: RunOperation, state: dict[str, Any], provider: str
@@ -859,8 +963,7 @@ class _Execution:
             state["first_pending"] = evolve(operation, {"phase": "first-output", "first_output_at": _now()})
 
     def _reasoning_end(self, part: PaiThinkingPart, provider: str) -> None:
-        data = {"id": part.id, "signature": part.signature, "provider_details": part.provider_details}
-        self._transient(ReasoningEndEvent, envelope=_envelope(part.provider_name or provider, data))
+        self._transient(ReasoningEndEvent)  # the reasoning's provider metadata stays in the store
 
     def _progress_reporter(self, call: ToolCallPart) -> Callable[..., None]:
         """``ctx.report_progress``: transient only, at most one report per call every 250 ms, none after
@@ -905,18 +1008,28 @@ class _Execution:
             if tool is None:
                 raise AppError("UNKNOWN_TOOL", f"no tool named {call.tool_name!r}", hint=f"use one of {sorted(tools)}")
             args = tool.validate(call.input)
+            run = self.run
             ctx = AgentToolContext(
-                conversation_id=self.run.conversation_id,
-                run_id=self.run.id,
+                conversation_id=run.conversation_id,
+                run_id=run.id,
                 call_id=call.call_id,
                 tool_name=call.tool_name,
                 context=tool.parse_context(self.env.context),
                 report_progress=self._progress_reporter(call),
+                owner_id=self.env.owner_id,
+                fencing_token=run.fencing_token,
+                idempotency_key=call_idempotency_key(run.conversation_id, run.id, call.call_id),
                 _durability=self.env.settings.step_durability,
+                _joined_run_ids=tuple(self.claims),
             )
             output = _json_safe(await tool.call(ctx, args))
-            if lifecycle is not None:
+            # the fence again, before the result is accepted: the run may have been taken over meanwhile
+            if lifecycle is None:
+                await self.owned.fence(after=True)
+            else:
                 await lifecycle.after(info, output)  # type: ignore[misc]
+        except AgentToolFenceLostError as lost:
+            raise _FenceLost(lost) from lost
         except (_FenceLost, _Aborted, _Failure):
             raise
         except Exception as error:
@@ -963,7 +1076,10 @@ class _Execution:
             return
         requests, _ = approval_state([*self.env.view.settled, *self.env.view.tail(self.run.id)])
         secret = self.env.settings.tool_approval_secret
+        answered = {p.call_id for p in self.parts if p.type == "tool-result"}  # kept by a resumed draft
         for response in responses:
+            if response.call_id in answered:
+                continue
             found = requests.get(response.approval_id)
             request = found[0] if found else None
             if request is None or secret is None or not verify_tool_call(secret, request):
@@ -1019,7 +1135,7 @@ class _Execution:
             run=self.run,
             context=self.env.context,
             model=model,
-            instructions="\n\n".join([instructions, *system]).strip(),
+            instructions=with_history_system(instructions, system),  # the text, carrying its parts
             messages=messages,
             active_tools=list(by_name),
             parts=tuple(self.parts),
@@ -1037,7 +1153,7 @@ class _Execution:
         operation = RunOperation(
             kind="compaction", phase="started", operation_id=new_id(), step=step, started_at=_now()
         )
-        await self.owned.record(operation)
+        await self._record(operation)
         request = AgentCompactionRequest(
             conversation_id=self.run.conversation_id,
             run=self.run,
@@ -1045,13 +1161,31 @@ class _Execution:
             context=self.env.context,
             store=self.env.store,
             context_usage=self._context_usage(model),
+            report_usage=self._report_usage,
         )
         try:
-            await self._callback(self.env.settings.compaction, request)  # type: ignore[arg-type]
+            returned = await self._callback(self.env.settings.compaction, request)  # type: ignore[arg-type]
         except _Failure as failure:
             await self._finish_operation(operation, "failed", failure.reason)
             raise
-        await self.owned.record(evolve(operation, {"phase": "completed", "finished_at": _now()}))
+        if isinstance(returned, AgentUsage):
+            self._report_usage(returned)
+        await self._record(evolve(operation, {"phase": "completed", "finished_at": _now()}))
+
+    def _report_usage(self, spent: Any) -> None:
+        """Spend outside the run's own provider calls (a compaction summarizer) joins the run's usage."""
+        if isinstance(spent, AgentUsage):
+            usage = spent
+        elif isinstance(spent, ModelResponse):
+            usage = AgentUsage.from_response(spent)
+        elif isinstance(spent, RequestUsage):
+            usage = AgentUsage.from_request(spent)
+        else:
+            raise AgentRuntimeUsageError(
+                "report_usage takes an AgentUsage, a pydantic-ai ModelResponse or a RequestUsage, "
+                f"got {type(spent).__name__}"
+            )
+        self.usage = self.usage + usage
 
     async def _retry(self, failure: _Failure, step: int, attempt_start: list[Part]) -> bool:
         """Decide and prepare a retry of a failed provider stream at the step boundary. Only an attempt
@@ -1083,9 +1217,9 @@ class _Execution:
         self.parts = [p for p in self.parts if p.type != "input-joined"]
         self.claims.clear()
         self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
-        await self.owned.checkpoint(list(self.parts), scheduled)
+        await self._checkpoint(list(self.parts), scheduled)
         await self._abortable(asyncio.sleep(delay))
-        await self.owned.record(evolve(scheduled, {"phase": "started", "started_at": _now()}))
+        await self._record(evolve(scheduled, {"phase": "started", "started_at": _now()}))
         return True
 
     async def _steps(self) -> tuple[str, str | None]:
@@ -1100,9 +1234,9 @@ class _Execution:
             )
         if self.env.view.version != self.run.version:
             await with_store_retry(lambda: self.env.view.refresh(self.env.store))
+        step = await self._resume()
         await self._answer_approvals(by_name)
         attempt_start: list[Part] = list(self.parts)
-        step = 0
         while step < max(1, env.settings.max_steps):
             self.steps = step + 1
             if self.control.aborted:
@@ -1113,12 +1247,12 @@ class _Execution:
             if self.admitted is not None:  # the acquisition committed this request's admission
                 operation, self.admitted = self.admitted, None
                 if self.parts:  # inputs joined or approvals were answered since: the draft holds them
-                    await self.owned.checkpoint(list(self.parts))
+                    await self._checkpoint(list(self.parts))
             else:
                 operation = model_request(step, self.attempt)
                 # one commit: the draft so far (the initial draft, or the previous step's tool results) and
                 # the durable admission of this request; a failed write prevents the provider call
-                await self.owned.checkpoint(list(self.parts), operation)
+                await self._checkpoint(list(self.parts), operation)
             try:
                 ctx = await self._prepare(step, model, instructions, by_name)
             except _Failure as failure:
@@ -1126,12 +1260,13 @@ class _Execution:
                 raise
             params = ModelRequestParameters(
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
-                instruction_parts=[InstructionPart(content=ctx.instructions)] if ctx.instructions else None,
+                # the prompt's parts and the history's system part; text prepare_step replaced goes as it is
+                instruction_parts=request_instruction_parts(ctx.instructions),
             )
             try:
                 response, first = await self._stream(operation, ctx.model, ctx.messages, params)
             except _Failure as failure:
-                self._step_finished(step, ctx.model, None)
+                self._step_finished(step, ctx.model, failure.response)
                 if await self._retry(failure, step, attempt_start):
                     continue
                 self.parts.extend(failure.partial)
@@ -1146,7 +1281,7 @@ class _Execution:
             if not calls:  # the last step: its finish is written by the terminal commit, right after
                 self._last_step = (first, completed)
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
-            await self.owned.checkpoint(self.parts, completed, preceding=first)
+            await self._checkpoint(self.parts, completed, preceding=first)
             # each call passes the lifecycle (application hooks, then the fence) before its effect; results
             # are accepted only by the next owned commit, whose CAS verifies owner, token and revision again
             held = [c for c in calls if await self._needs_approval(c)]
@@ -1165,6 +1300,7 @@ class _Execution:
             self.parts.extend(results)
             if held:  # the run pauses: signed requests are stored on its assistant before any effect
                 self.parts.extend(self._approval_request(c) for c in held)
+                self._paused = True
                 return "provider_stop", None
             # the tool results are checkpointed with the next request's admission, or by the terminal
             ctx.parts = tuple(self.parts)
@@ -1173,6 +1309,49 @@ class _Execution:
                     return "policy_stop", policy.name
             step += 1
         return "policy_stop", "max-steps"
+
+    async def _resume(self) -> int:
+        """Continue a run acquired again (requeued after a crash, taken over) from its durable draft: the
+        completed tool rounds it holds (every call with its result) are kept and never executed again; the
+        step that was in progress is replayed. Inputs that had joined at a kept boundary are claimed again
+        while their runs are still queued; those that joined the replayed step are offered again. Returns
+        the step to continue at (0 for a run that never checkpointed anything)."""
+        draft = self.env.view.message(self.run.assistant_message_id)
+        if draft is None or draft.run_id != self.run.id or not draft.parts:
+            return 0
+        kept, replayed = split_completed_rounds(draft.parts)
+        for part in replayed:
+            if part.type == "input-joined":
+                self.control.offer_injection(part.run_id)
+        parts: list[Part] = []
+        joined: dict[str, tuple[str, ...]] = {}  # per queued run, the inputs that joined at kept boundaries
+        for part in kept:
+            if part.type == "input-joined":
+                ids = (*joined.get(part.run_id, ()), *part.message_ids)
+                if not await self._reclaim(part.run_id, ids):
+                    continue  # its run moved on (absorbed elsewhere, started, ended): it answers itself
+                joined[part.run_id] = ids
+            parts.append(part)
+        self.parts = parts
+        self._tools_invoked = any(p.type == "tool-result" for p in parts)
+        last = self.run.last_operation
+        return last.step if last is not None and last.step is not None and parts else 0
+
+    async def _reclaim(self, run_id: str, joined: tuple[str, ...]) -> bool:
+        """Claim again a queued run whose inputs ``joined`` this run before it stopped, if it still can."""
+        loaded = await with_store_retry(
+            lambda: self.env.store.load_run(conversation_id=self.run.conversation_id, run_id=run_id)
+        )
+        queued = loaded.run if loaded is not None else None
+        if queued is None or queued.state != "queued" or queued.execution_sequence is not None:
+            return False
+        if not set(joined) <= set(queued.input_message_ids):
+            return False
+        # claimed as of the inputs that joined so far; inputs coalesced into it since join at the next boundary
+        self.claims[run_id] = AbsorbClaim(run_id, queued.revision, joined)
+        if len(joined) < len(queued.input_message_ids):
+            self.control.offer_injection(run_id)
+        return True
 
     def _step_finished(
         self, step: int, model: AgentModelDescriptor, response: ModelResponse | None, first: RunOperation | None = None
@@ -1234,8 +1413,16 @@ class _Execution:
                 reason = self.control.abort_reason or reason
         except _FenceLost as lost:
             return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=lost.cause, steps=self.steps)
-        if reason in COMPLETED_REASONS and not self.env.protocol.accept_terminal(self.parts, reason, policy_name):
-            reason, policy_name = "output_rejected", None
+        except Exception as error:  # a defect or a bad value nothing classified: the run still ends
+            reason, cause = "runtime_failure", error
+        if reason in COMPLETED_REASONS and not self._paused:  # a pause for approval is answered, not judged
+            try:
+                accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name)
+            except Exception as error:  # the application's acceptance callback failed
+                reason, policy_name, cause = "runtime_failure", None, error
+            else:
+                if not accepted:
+                    reason, policy_name = "output_rejected", None
         if self.admitted is not None:  # the run ended before its admitted request was made: say so
             phase, detail = ("cancelled", None) if reason in INTERRUPTED_REASONS else ("failed", reason)
             ended = evolve(self.admitted, {"phase": phase, "finished_at": _now(), "detail": detail})
@@ -1262,6 +1449,7 @@ class _Execution:
                     policy_name=policy_name if reason == "policy_stop" else None,
                     absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
                     operation=self._last_step[1] if self._last_step is not None else None,
+                    usage=self.total_usage(),
                 )
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:
@@ -1313,6 +1501,28 @@ async def execute_run(
     if admitted is not None:
         execution.owned.published_checkpoint((), admitted[1], None, admitted[0])
     return await execution.execute()
+
+
+def split_completed_rounds(parts: Sequence[Part]) -> tuple[tuple[Part, ...], tuple[Part, ...]]:
+    """A draft's parts as (the completed tool rounds, what follows them). A round is complete once every
+    tool call in it has its result; a draft ending inside a step (streamed text, calls still waiting for
+    results) splits at the end of the last complete round."""
+    pending: set[str] = set()
+    boundary = 0
+    for index, part in enumerate(parts):
+        if part.type == "tool-call":
+            pending.add(part.call_id)
+        elif part.type == "tool-result":
+            pending.discard(part.call_id)
+            if not pending:
+                boundary = index + 1
+    return tuple(parts[:boundary]), tuple(parts[boundary:])
+
+
+def call_idempotency_key(conversation_id: str, run_id: str, call_id: str) -> str:
+    """The stable idempotency key of one tool call (``AgentToolContext.idempotency_key``)."""
+    digest = hashlib.sha256(f"{conversation_id}\x00{run_id}\x00{call_id}".encode()).hexdigest()
+    return f"tl-{digest[:40]}"
 
 
 def model_request(step: int, attempt: int = 1) -> RunOperation:

@@ -11,13 +11,15 @@ position and are ordered after the settled ones by run execution order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal, TypeAlias, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeAlias, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
 
+from ._evolve import evolve as evolve
 from .errors import AgentRecordSchemaVersionError
+from .usage import AgentUsage
 
 SCHEMA_VERSION = 1
 """The schema version every record written by this threadline carries."""
@@ -30,28 +32,6 @@ class _Record(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", populate_by_name=True, json_schema_serialization_defaults_required=True
     )
-
-
-R = TypeVar("R", bound=BaseModel)
-_new = object.__new__
-_set = object.__setattr__
-
-
-def evolve(record: R, changes: Mapping[str, Any]) -> R:
-    """``record.model_copy(update=changes)``: a new record with ``changes``, not validated (the caller vouches
-    for them: the reducer's own values), and without ``model_copy``'s generic copying, which these records
-    do not need (no extra fields, no private attributes). It runs several times per store operation."""
-    new = _new(record.__class__)
-    values = record.__dict__.copy()
-    values.update(changes)
-    _set(new, "__dict__", values)
-    _set(new, "__pydantic_extra__", None)
-    fields_set = record.__pydantic_fields_set__
-    if not fields_set.issuperset(changes):  # shared otherwise: nothing changes a frozen record's set in place
-        fields_set = fields_set | changes.keys()
-    _set(new, "__pydantic_fields_set__", fields_set)
-    _set(new, "__pydantic_private__", None)
-    return new
 
 
 class _Durable(_Record):
@@ -82,6 +62,9 @@ class ProviderEnvelope(_Record):
 class TextPart(_Record):
     type: Literal["text"] = "text"
     text: str
+    envelope: ProviderEnvelope | None = Field(default=None, exclude_if=lambda envelope: envelope is None)
+    """What the provider attached to the text (an item id, a Gemini thought signature), sent back only to
+    that provider. Left out of the JSON when None: plain text keeps the shape it always had."""
 
 
 class ReasoningPart(_Record):
@@ -364,6 +347,11 @@ class Run(_Durable):
     absorbed_into_run_id: str | None = None
     absorbed_run_ids: tuple[str, ...] = ()
     last_operation: RunOperation | None = None
+    usage: AgentUsage = AgentUsage()
+    """What the run spent so far, cumulative over every attempt and execution (a run requeued after a crash
+    keeps what its earlier executions committed) and every compaction invocation's reported spend, with the
+    per-field provenance of :mod:`threadline.usage`. Written with the checkpoints and the terminal commit the
+    run makes anyway; spend after the last commit of a crashed execution is lost with it."""
     created_at: Timestamp
     updated_at: Timestamp
     acquired_at: Timestamp | None = None

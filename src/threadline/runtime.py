@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import logging
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -21,14 +23,13 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from .approvals import AgentApprovalError, AgentPendingApproval, approval_state, pending_approvals
-from .coordinator import INPUT_POLICIES, Lane, Waiters, call_maybe_async, quiet
+from .coordinator import INPUT_POLICIES, Lane, Step, Waiters, call_maybe_async, quiet
 from .errors import (
+    AgentConfigError,
     AgentConversationPurgedError,
     AgentRecordNotFoundError,
     AgentRecordValidationError,
-    AgentRunOrderConflictError,
     AgentRunOwnershipConflictError,
-    AgentRunRevisionConflictError,
     AgentRunStateConflictError,
     AgentRuntimeUsageError,
     AgentRunUnsettledError,
@@ -41,12 +42,14 @@ from .events import (
     AgentRunTerminalEvent,
     RunStateEvent,
     TerminalEvent,
+    delivered_message,
     describe_internal_cause,
     durable_event_id,
 )
 from .history.projection import AgentHistoryProjectionOptions
-from .history.prompt import AgentPrompt, ComposedAgentPrompt
+from .history.prompt import ComposedAgentPrompt, agent_instructions
 from .history.view import ConversationView
+from .inputs import check_input_parts
 from .loop import (
     AgentRetryPolicy,
     LoopEnv,
@@ -68,6 +71,7 @@ from .tools import AgentTool, AgentToolLifecycle
 from .usage import AgentUsage
 
 C = TypeVar("C")
+_log = logging.getLogger("threadline.runtime")
 VIEW_CACHE_LIMIT = 256
 """Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
 _LISTEN_RETRY_S = 1.0  # a store that could not listen is asked again at most this often
@@ -116,6 +120,12 @@ class RunsConfig:
     """Seconds: when set, an executing run carries a lease (``lease_expires_at``) that this runtime renews
     every third of it; another process may take the run over only once the lease expired (see
     :func:`takeover_expired_leases`)."""
+    resolve_context: Callable[[Run], Any] | None = None
+    """The raw context of a run this runtime did not admit (sync or async; parsed with the protocol). When a
+    run this runtime executed ends, it starts the conversation's next queued run, whoever admitted it:
+    another process's queued input is then answered here instead of waiting for ``recover()``. Without it,
+    the ``resolve_context`` of this runtime's last ``recover()`` or ``serve()`` is used; with neither, such
+    a run waits for its admitter, ``resume()`` or ``recover()``."""
 
 
 @dataclass
@@ -219,7 +229,13 @@ class AgentRunMetrics(BaseModel):
 
 class AgentRuntimeResult(BaseModel):
     """``ticket.result``: how the run ended. ``metrics`` is None unless this process applied the terminal
-    (a CAS loser, a duplicate submission or an absorbed run reads the canonical winner)."""
+    (a CAS loser, a duplicate submission or an absorbed run reads the canonical winner).
+
+    ``answered`` is the one question most callers mean: did the input get its answer? True for a run that
+    completed (``success``, ``provider_stop``, ``policy_stop``) and for an input absorbed into another run
+    that completed — its ``terminal_reason`` is ``absorbed``, ``assistant`` is the absorbing run's answer
+    and ``answered_by_run_id`` names that run. ``usage`` is the run's durable cumulative spend
+    (:attr:`Run.usage`); ``metrics.usage`` what this process's execution spent."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -229,6 +245,13 @@ class AgentRuntimeResult(BaseModel):
     usage: AgentUsage
     policy_name: str | None = None
     metrics: AgentRunMetrics | None = None
+    answered_by_run_id: str | None = None
+    """The run whose assistant answered this input: the run itself once completed, the absorbing run for
+    an absorbed input, None when the input got no answer (interrupted, failed, ...)."""
+
+    @property
+    def answered(self) -> bool:
+        return self.answered_by_run_id is not None
 
 
 class AgentRuntimeCloseResult(BaseModel):
@@ -283,15 +306,61 @@ def _isolated(publisher: Callable[[Any], Any] | None, event: Any) -> None:
         pass
 
 
-def _result_from(run: Run, assistant: Message | None, usage: AgentUsage | None = None, metrics: Any = None) -> Any:
+def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> Any:
+    if run.terminal_reason == "absorbed":
+        answered_by = run.absorbed_into_run_id
+    else:
+        answered_by = run.id if run.state == "completed" else None
     return AgentRuntimeResult(
         terminal_reason=run.terminal_reason or "",
         run=run,
         assistant=assistant,
-        usage=usage or AgentUsage(),
+        usage=run.usage,
         policy_name=run.policy_name,
         metrics=metrics,
+        answered_by_run_id=answered_by,
     )
+
+
+def _paused_for_approval(run: Run | None, run_id: str | None) -> bool:
+    """Whether a stored approval request is answerable: its run paused for it (``provider_stop``)."""
+    if run_id is None:
+        return True  # a request no run owns (seeded history): the application put it there
+    return run is not None and run.terminal_reason == "provider_stop"
+
+
+def _close_budget(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise AgentConfigError(
+            f"{name} is None or a finite, non-negative number of seconds, got {value!r}; nothing was closed",
+            field=name,
+        )
+    return float(value)
+
+
+class _Writes:
+    """Durable writes this runtime sent outside its lanes (admissions, recovery decisions) and has not seen
+    answered yet: ``close()`` waits for them and counts them as still in flight."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None
+
+    def begin(self) -> None:
+        self.count += 1
+
+    def end(self) -> None:
+        self.count -= 1
+        if self.count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        while self.count:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 # ----------------------------------------------------------------------------------------- runtime
@@ -313,6 +382,7 @@ class AgentRuntime:
         history: Any = None,
         publish: Callable[[Any], Any] | None = None,
         operator_publish: Callable[[Any], Any] | None = None,
+        include_internal_cause: bool = False,
     ) -> None:
         if not isinstance(protocol, AgentProtocol):
             raise AgentRuntimeUsageError("protocol is built with define_agent_protocol(...)")
@@ -359,6 +429,13 @@ class AgentRuntime:
         self.loop_settings.compaction = compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
+        # internal causes (exception text) reach a plain callable only on request; a sink that declares
+        # ``include_internal_cause`` (create_agent_operator_sink) redacts by its own setting
+        if type(include_internal_cause) is not bool:
+            raise AgentConfigError("include_internal_cause is True or False", field="include_internal_cause")
+        self._hand_causes = include_internal_cause or hasattr(operator_publish, "include_internal_cause")
+        self._writes = _Writes()
+        self._resolver: Callable[[Run], Any] | None = self.runs.resolve_context
         # without a publisher no event is built at all
         self.publishing = publish is not None
         self.operator_publishing = operator_publish is not None
@@ -540,30 +617,37 @@ class AgentRuntime:
                 canonical_parts = validate_parts(parts)
             except Exception as error:
                 raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
+            check_input_parts(canonical_parts, role, self.loop_settings.tool_approval_secret)
             metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
             # an input for a conversation this process is not running anything in is admitted and started
             # in one commit (the store starts it only if nothing is queued or running there durably)
             idle = self.lanes.get(conversation_id)
             start = self.runs.execute and (idle is None or (not idle.busy and not idle.contexts))
             first = self._first_request() if start else None
-            accepted = await self.store.accept_input_and_assign_run(
-                conversation_id=conversation_id,
-                idempotency_key=idempotency_key,
-                input={
-                    "id": record_ids.get("input_message_id"),  # None: the store draws a fresh one
-                    "role": role,
-                    "parts": canonical_parts,
-                    "metadata": metadata_json,
-                },
-                run_id=record_ids.get("run_id"),
-                assistant_message_id=record_ids.get("assistant_message_id"),
-                priority="urgent" if policy == "interrupt-next" else "ordinary",
-                input_policy=policy,
-                coalesce=self.runs.coalesce_pending,
-                start_for=self.owner_id if start else None,
-                lease_expires_at=self._lease_expiry() if start else None,
-                operation=first,
-            )
+            if self.closing:  # close() began while the preflight or the policy was deciding: write nothing
+                raise AgentRuntimeClosedError("the runtime is closing; it admits no new input")
+            self._writes.begin()  # from here the admission is in flight: close() waits for its answer
+            try:
+                accepted = await self.store.accept_input_and_assign_run(
+                    conversation_id=conversation_id,
+                    idempotency_key=idempotency_key,
+                    input={
+                        "id": record_ids.get("input_message_id"),  # None: the store draws a fresh one
+                        "role": role,
+                        "parts": canonical_parts,
+                        "metadata": metadata_json,
+                    },
+                    run_id=record_ids.get("run_id"),
+                    assistant_message_id=record_ids.get("assistant_message_id"),
+                    priority="urgent" if policy == "interrupt-next" else "ordinary",
+                    input_policy=policy,
+                    coalesce=self.runs.coalesce_pending,
+                    start_for=self.owner_id if start else None,
+                    lease_expires_at=self._lease_expiry() if start else None,
+                    operation=first,
+                )
+            finally:
+                self._writes.end()
         except BaseException as error:
             for future in (ticket.admission, ticket.accepted, ticket.result):
                 if not future.done():
@@ -680,15 +764,19 @@ class AgentRuntime:
 
     # --------------------------------------------------------------------------------- execution
 
-    async def execute(self, lane: Lane, run: Run, context: Any) -> bool:
+    async def execute(self, lane: Lane, run: Run, context: Any) -> Step:
         """Acquire and execute one queued run (or one its admission started); settle its waiters. Returns
-        whether the lane may go on."""
+        what the lane does next (see :class:`threadline.coordinator.Step`)."""
         self._ensure_listening()
         started = lane.started.pop(run.id, None)
         if started is not None:  # admitted and acquired in one commit (its run-state event is out)
             owned, version, first = started
         else:
-            first = self._first_request()
+            if self.closing:
+                return Step.CLOSED  # nothing new starts once close() began; the run stays queued
+            # a run that started before (requeued after a crash) resumes from its draft: its acquisition
+            # must not replace that draft with an empty one
+            first = self._first_request() if run.execution_sequence is None else None
             try:
                 acquisition = await self.retry_store(
                     lambda: self.store.acquire_run(
@@ -700,15 +788,16 @@ class AgentRuntime:
                         operation=first,
                     )
                 )
-            except (AgentRunOrderConflictError, AgentRunStateConflictError, AgentRunRevisionConflictError):
-                return True  # it moved (another executor, or a newer revision): look again
+            except AgentStoreConflictError:
+                # the store moved under the lane (an interrupt-next or coalescing input, another executor,
+                # a newer revision): never a reason to drop or abandon the run; the lane looks again
+                return Step.REFUSED
             except (AgentConversationPurgedError, AgentRecordNotFoundError) as error:
                 self.waiters.reject(run.id, error)
-                return False
+                return Step.GONE if isinstance(error, AgentConversationPurgedError) else Step.DONE
             except Exception as error:
                 # acquisition failed past the retry budget (or its reply was lost): abandon the run durably
-                await self._abandon_unacquirable(run, error)
-                return False
+                return Step.DONE if await self._abandon_unacquirable(run, error) else Step.STOP
             owned, version = acquisition.run, acquisition.version
             self._publish_run_state(owned, version)
         self.waiters.mark_acquired(run.id, owned)
@@ -727,8 +816,9 @@ class AgentRuntime:
                 )
             )
         control = RunControl(run.id)
-        if started is not None and self.closing:
-            # its admission raced close(), which could not see it: it ends at once, as close() ends runs
+        if self.closing:
+            # its admission or acquisition was in flight when close() began, which could not abort it yet:
+            # it ends at once, as close() ends runs
             control.abort("shutdown")
         lane.control = control
         prompt_ctx = AgentPromptContext(context=context, conversation_id=run.conversation_id, run=owned)
@@ -770,7 +860,11 @@ class AgentRuntime:
                     policy_name=outcome.run.policy_name,
                     steps=outcome.steps,
                     usage=outcome.usage,
-                    cause=describe_internal_cause(outcome.cause or outcome.lost or outcome.unsettled),
+                    cause=(
+                        describe_internal_cause(outcome.cause or outcome.lost or outcome.unsettled)
+                        if self._hand_causes
+                        else None
+                    ),
                 )
             )
         if outcome.lost is not None:
@@ -782,7 +876,7 @@ class AgentRuntime:
                     run_id=run.id,
                 )
             self.waiters.reject(run.id, error)
-            return True
+            return Step.DONE
         if outcome.unsettled is not None or outcome.reason is None:
             self.waiters.reject(
                 run.id,
@@ -790,10 +884,12 @@ class AgentRuntime:
                     f"run {run.id} could not be settled: {outcome.unsettled!r}", run=outcome.run, owner_id=self.owner_id
                 ),
             )
-            return False
+            return Step.STOP
         metrics = AgentRunMetrics(steps=outcome.steps, usage=outcome.usage) if outcome.committed else None
-        result = _result_from(outcome.run, outcome.assistant, outcome.usage if outcome.committed else None, metrics)
+        result = _result_from(outcome.run, outcome.assistant, metrics)
         if outcome.committed:
+            if self._foreign_queue(lane, outcome.run):
+                lane.successor = True  # this runtime ended the run: it also starts what is queued behind it
             version = outcome.run.version
             self._publish_run_state(outcome.run, version)
             if self.publishing:
@@ -805,8 +901,8 @@ class AgentRuntime:
                         version=version,
                         terminal_reason=outcome.run.terminal_reason or "",
                         policy_name=outcome.run.policy_name,
-                        assistant=outcome.assistant,
-                        usage=outcome.usage,
+                        assistant=delivered_message(outcome.assistant),
+                        usage=outcome.run.usage,
                     )
                 )
             for absorbed in outcome.absorbed_runs:
@@ -814,9 +910,20 @@ class AgentRuntime:
                 self.waiters.resolve(absorbed.id, _result_from(absorbed, outcome.assistant))
                 lane.contexts.pop(absorbed.id, None)
         self.waiters.resolve(run.id, result)
-        return True
+        return Step.DONE
 
-    async def _abandon_unacquirable(self, run: Run, cause: BaseException) -> None:
+    def _foreign_queue(self, lane: Lane, ended: Run) -> bool:
+        """Whether the conversation may hold queued runs this process did not admit: another writer wrote
+        since this process's view last saw every write, or the view knows of an active run the lane was not
+        asked to run. Only then is the stored queue read after a terminal (most turns skip that read)."""
+        view = self._views.get(ended.conversation_id)
+        if view is None or view.version != ended.version:
+            return True
+        return any(r.id not in lane.contexts for r in view.active_runs)
+
+    async def _abandon_unacquirable(self, run: Run, cause: BaseException) -> bool:
+        """Abandon a run whose acquisition kept failing (never one that merely lost a race: that is a
+        conflict, and the lane looks again). Returns whether the store answered."""
         try:
             loaded = await self.retry_store(
                 lambda: self.store.load_run(conversation_id=run.conversation_id, run_id=run.id)
@@ -844,9 +951,35 @@ class AgentRuntime:
                     owner_id=self.owner_id,
                 ),
             )
-            return
+            return False
         self._publish_run_state(abandoned.run, abandoned.version)
         self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+        return True
+
+    async def resolve_context_of(self, run: Run) -> tuple[bool, Any]:
+        """(True, the parsed context) of a run this runtime did not admit (``runs.resolve_context``, else the
+        last ``recover()``/``serve()`` resolver); (False, None) without a resolver or when it failed (logged)."""
+        resolver = self._resolver
+        if resolver is None or not self.runs.execute:
+            return False, None
+        try:
+            return True, self.protocol.parse_context(await call_maybe_async(resolver, run))
+        except Exception:
+            _log.warning("could not resolve the context of run %s; it waits for recover()", run.id, exc_info=True)
+            return False, None
+
+    def _refuse_if_closing(self, what: str) -> None:
+        if self.closing:
+            raise AgentRuntimeClosedError(f"the runtime is closing; {what}() starts nothing new")
+
+    async def _recovery_write(self, call: Callable[[], Awaitable[C]]) -> C:
+        """A recovery decision's write: refused once close() began, waited for by close() once sent."""
+        self._refuse_if_closing("recover")
+        self._writes.begin()
+        try:
+            return await call()
+        finally:
+            self._writes.end()
 
     def _first_request(self) -> RunOperation | None:
         """Step 0's request admission, to ride on the run's acquisition (one commit less per run); None
@@ -870,14 +1003,11 @@ class AgentRuntime:
         return resolved
 
     async def _instructions(self, ctx: AgentPromptContext) -> str:
+        """The prompt's text, carrying the ``InstructionPart`` s it is sent as (its contributions' stable /
+        dynamic split, or what ``adapt_instructions`` returned): see ``history.prompt.agent_instructions``."""
         if self._prompt is None:
-            return ""
-        rendered = await call_maybe_async(self._prompt, ctx)
-        if isinstance(rendered, AgentPrompt):
-            return rendered.instructions
-        if rendered is None or isinstance(rendered, str):
-            return rendered or ""
-        raise AgentRuntimeUsageError("prompt returns instructions text or an AgentPrompt")
+            return agent_instructions(None)
+        return agent_instructions(await call_maybe_async(self._prompt, ctx))
 
     async def _run_tools(self, ctx: AgentPromptContext) -> Sequence[AgentTool]:
         tools = self._tools
@@ -923,9 +1053,14 @@ class AgentRuntime:
         return True
 
     async def pending_approvals(self, conversation_id: str) -> list[AgentPendingApproval]:
-        """Approval requests nobody answered yet, derived from the stored history (also after a restart)."""
+        """Approval requests nobody answered yet that ``respond_to_approval`` accepts, derived from the stored
+        history (also after a restart): a request of a run that did not pause for it (it failed or was
+        interrupted instead) is not pending — nothing would run it."""
         snapshot = await self.store.load_snapshot(conversation_id=conversation_id)
-        return pending_approvals(snapshot.messages)
+        runs = {r.id: r for r in snapshot.runs}
+        return [
+            p for p in pending_approvals(snapshot.messages) if _paused_for_approval(runs.get(p.run_id or ""), p.run_id)
+        ]
 
     async def respond_to_approval(
         self,
@@ -952,9 +1087,7 @@ class AgentRuntime:
                 f"approval {approval_id!r} was already answered", reason="duplicate", approval_id=approval_id
             )
         request, message = found
-        if message.run_id is not None and any(
-            r.id == message.run_id and r.terminal_reason != "provider_stop" for r in snapshot.runs
-        ):
+        if not _paused_for_approval(next((r for r in snapshot.runs if r.id == message.run_id), None), message.run_id):
             raise AgentApprovalError(
                 f"approval {approval_id!r} belongs to a run that did not pause for it",
                 reason="mismatch",
@@ -1001,22 +1134,23 @@ class AgentRuntime:
     ) -> AgentRuntimeCloseResult:
         """Stop admitting, let active runs finish for ``grace_period``, then abort them (``shutdown``) and wait
         at most ``force_timeout`` (unbounded without it). Queued runs stay durably queued for ``recover()``.
-        Reports what it achieved: ``settled`` or ``timed_out`` with ``remaining``."""
+        Reports what it achieved: ``settled`` or ``timed_out`` with ``remaining``.
+
+        Work that has not written yet stops: a submit still in its preflight, a recovery still deciding,
+        ``resume()`` and ``recover()`` called now raise :class:`AgentRuntimeClosedError` and write nothing. A
+        write already sent (an admission, an acquisition, a recovery decision) is waited for like a run:
+        ``settled`` is never reported while one is in flight, and ``remaining`` counts it. Negative, NaN or
+        infinite budgets are refused (:class:`~threadline.errors.AgentConfigError`) before anything closes."""
+        grace = _close_budget("grace_period", grace_period)
+        force = _close_budget("force_timeout", force_timeout)
         self.closing = True
         self._serve_wakeup.set()
         for watcher in self._watchers:
             watcher.cancel()
         await self._stop_listening()
-        busy = [lane.task for lane in self.lanes.values() if lane.busy and lane.task is not None]
-        if busy and grace_period is not None:
-            await asyncio.wait(busy, timeout=grace_period)
-        for lane in self.lanes.values():
-            if lane.control is not None:
-                lane.control.abort("shutdown")
-        pending = [t for t in busy if not t.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=force_timeout)
-        remaining = sum(1 for t in busy if not t.done())
+        if grace is not None:
+            await self._settle(grace, abort=False)
+        remaining = await self._settle(force, abort=True)
         in_flight = {lane.control.run_id for lane in self.lanes.values() if lane.control is not None}
         # tickets of runs still executing settle when those runs end; queued ones wait for recover()
         self.waiters.reject_all(
@@ -1027,11 +1161,40 @@ class AgentRuntime:
         )
         return AgentRuntimeCloseResult(settled=remaining == 0, timed_out=remaining > 0, remaining=remaining)
 
+    async def _settle(self, timeout: float | None, *, abort: bool) -> int:
+        """Wait, at most ``timeout`` seconds (None: no bound), until no lane works and no admission or
+        recovery write is in flight; with ``abort``, every executing run is aborted (``shutdown``), also one
+        an in-flight admission starts meanwhile. Returns how much is still in flight."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            busy = [lane for lane in self.lanes.values() if lane.busy]
+            if abort:
+                for lane in busy:
+                    if lane.control is not None:
+                        lane.control.abort("shutdown")
+            in_flight = len(busy) + self._writes.count
+            left = None if deadline is None else deadline - loop.time()
+            if in_flight == 0 or (left is not None and left <= 0):
+                return in_flight
+            waits: set[asyncio.Future[Any]] = {lane.task for lane in busy if lane.task is not None}
+            writes = asyncio.ensure_future(self._writes.idle()) if self._writes.count else None
+            if writes is not None:
+                waits.add(writes)
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if writes is not None:
+                    writes.cancel()
+
     async def resume(self, *, conversation_id: str, run_id: str, context: Any) -> AgentRuntimeTicket:
         """Run one known queued run (for example after a restart). ``accepted`` resolves once this runtime
-        durably acquired it; ``result`` at its terminal."""
+        durably acquired it; ``result`` at its terminal. Raises :class:`AgentRuntimeClosedError` once
+        ``close()`` began."""
         loop = asyncio.get_running_loop()
+        self._refuse_if_closing("resume")
         loaded = await self.store.load_run(conversation_id=conversation_id, run_id=run_id)
+        self._refuse_if_closing("resume")
         if loaded is None:
             raise AgentRecordNotFoundError(f"conversation {conversation_id!r} has no run {run_id!r}")
         ticket = AgentRuntimeTicket(
@@ -1062,15 +1225,23 @@ class AgentRuntime:
         self,
         *,
         resolve_context: Callable[[Run], Any],
-        policy: Callable[[Run], Mapping[str, Any]] | None = None,
+        policy: Callable[[Run], Any] | None = None,
         page_size: int = 100,
         max_runs: int | None = None,
         conversation_ids: Collection[str] | None = None,
     ) -> list[AgentRecoveryOutcome]:
         """One recovery pass: read bounded pages of active runs, restore each conversation's execution
-        order, then resume queued runs (reported after durable acquisition) and apply ``policy`` to acquired
-        ones: ``{"action": "skip"}`` (default), ``{"action": "abandon", "stale_owner": True}`` or
-        ``{"action": "requeue", "replay_safe": True}``. One outcome per run; one failure hides nothing."""
+        order, then resume queued runs (reported after durable acquisition) and apply ``policy`` (sync or
+        async) to acquired ones: ``{"action": "skip"}`` (default), ``{"action": "abandon", "stale_owner":
+        True}`` or ``{"action": "requeue", "replay_safe": True}``. One outcome per run; one failure hides
+        nothing. An acquisition that loses a race (another executor, an input that moved the queue) is that
+        run's outcome (``failed`` with the conflict, or ``blocked``) and the pass goes on; it never abandons
+        the run. Raises :class:`AgentRuntimeClosedError` when ``close()`` began before or during the pass
+        (a decision not yet written is then not written). ``resolve_context`` is also what this runtime
+        uses later for runs admitted elsewhere, unless ``runs.resolve_context`` is set."""
+        self._refuse_if_closing("recover")
+        if self.runs.resolve_context is None:
+            self._resolver = resolve_context
         runs: list[Run] = []
         cursor = None
         while True:
@@ -1091,7 +1262,7 @@ class AgentRuntime:
         self,
         *,
         resolve_context: Callable[[Run], Any],
-        policy: Callable[[Run], Mapping[str, Any]] | None = None,
+        policy: Callable[[Run], Any] | None = None,
         poll_interval: float = 1.0,
         page_size: int = 100,
     ) -> None:
@@ -1100,7 +1271,11 @@ class AgentRuntime:
         runs it when it is next in durable order) and applies ``policy`` to acquired runs (for example
         :func:`takeover_expired_leases`). Cancelling the task stops the sweeps; runs already executing go
         on until ``close``. With a PostgreSQL store, new work and interrupts arrive through LISTEN/NOTIFY
-        at once; the sweep is the fallback."""
+        at once; the sweep is the fallback. ``resolve_context`` is also what this runtime uses for runs admitted
+        elsewhere that queue behind a run it ends, unless ``runs.resolve_context`` is set."""
+        self._refuse_if_closing("serve")
+        if self.runs.resolve_context is None:
+            self._resolver = resolve_context
         self._ensure_listening()
         while not self.closing:
             cursor = None
@@ -1116,30 +1291,38 @@ class AgentRuntime:
             self._serve_wakeup.clear()
 
     async def _hand_over(
-        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Mapping[str, Any]] | None
+        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Any] | None
     ) -> None:
         lane = self._lane(group[0].conversation_id)
         for run in group:
+            if self.closing:
+                return
             if lane.control is not None and lane.control.run_id == run.id:
                 continue
             if run.acquired:
-                decision = dict(policy(run)) if policy is not None else {"action": "skip"}
+                decision = dict(await call_maybe_async(policy, run)) if policy is not None else {"action": "skip"}
                 if decision.get("action") == "requeue":
-                    with contextlib.suppress(AgentStoreConflictError):
-                        await self.store.recover_run(
-                            conversation_id=run.conversation_id,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            action="requeue",
-                            replay_safe=bool(decision.get("replay_safe")),
+                    with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
+                        await self._recovery_write(
+                            functools.partial(
+                                self.store.recover_run,
+                                conversation_id=run.conversation_id,
+                                run_id=run.id,
+                                expected_revision=run.revision,
+                                action="requeue",
+                                replay_safe=bool(decision.get("replay_safe")),
+                            )
                         )
                 elif decision.get("action") == "abandon":
-                    with contextlib.suppress(AgentStoreConflictError):
-                        await self.abandon(
-                            conversation_id=run.conversation_id,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            stale_owner=bool(decision.get("stale_owner")),
+                    with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
+                        await self._recovery_write(
+                            functools.partial(
+                                self.abandon,
+                                conversation_id=run.conversation_id,
+                                run_id=run.id,
+                                expected_revision=run.revision,
+                                stale_owner=bool(decision.get("stale_owner")),
+                            )
                         )
                     continue
                 else:
@@ -1152,12 +1335,13 @@ class AgentRuntime:
         lane.wake()
 
     async def _recover_conversation(
-        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Mapping[str, Any]] | None
+        self, group: list[Run], resolve_context: Callable[[Run], Any], policy: Callable[[Run], Any] | None
     ) -> list[AgentRecoveryOutcome]:
         outcomes: list[AgentRecoveryOutcome] = []
         blocked = False
         loop = asyncio.get_running_loop()
         for scanned in group:
+            self._refuse_if_closing("recover")
             cid = scanned.conversation_id
             lane = self._lane(cid)
             # the scan is a snapshot: act on the run as it is now (a retry may have answered it meanwhile)
@@ -1182,38 +1366,42 @@ class AgentRuntime:
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, "resumed", result=running))
                 continue
             try:
+                kind: Literal["resumed", "requeued"] = "resumed"
                 if run.acquired:
-                    decision = dict(policy(run)) if policy is not None else {"action": "skip"}
+                    decision = dict(await call_maybe_async(policy, run)) if policy is not None else {"action": "skip"}
                     action = decision.get("action", "skip")
                     if action == "abandon":
-                        await self.abandon(
-                            conversation_id=cid,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            stale_owner=bool(decision.get("stale_owner")),
+                        await self._recovery_write(
+                            functools.partial(
+                                self.abandon,
+                                conversation_id=cid,
+                                run_id=run.id,
+                                expected_revision=run.revision,
+                                stale_owner=bool(decision.get("stale_owner")),
+                            )
                         )
                         outcomes.append(AgentRecoveryOutcome(cid, run.id, "abandoned"))
                         continue
-                    if action == "requeue":
-                        requeued = await self.store.recover_run(
+                    if action != "requeue":
+                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
+                        blocked = True
+                        continue
+                    requeued = await self._recovery_write(
+                        functools.partial(
+                            self.store.recover_run,
                             conversation_id=cid,
                             run_id=run.id,
                             expected_revision=run.revision,
                             action="requeue",
                             replay_safe=bool(decision.get("replay_safe")),
                         )
-                        run = requeued.run
-                        kind: Literal["resumed", "requeued"] = "requeued"
-                    else:
-                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
-                        blocked = True
-                        continue
-                else:
-                    if blocked:
-                        outcomes.append(AgentRecoveryOutcome(cid, run.id, "blocked"))
-                        continue
-                    kind = "resumed"
+                    )
+                    run, kind = requeued.run, "requeued"
+                elif blocked:
+                    outcomes.append(AgentRecoveryOutcome(cid, run.id, "blocked"))
+                    continue
                 lane.contexts[run.id] = self.protocol.parse_context(await call_maybe_async(resolve_context, run))
+                self._refuse_if_closing("recover")
                 acquired: asyncio.Future[Any] = quiet(loop.create_future())
                 result: asyncio.Future[Any] = quiet(loop.create_future())
                 self.waiters.add_acquired(run.id, acquired)
@@ -1221,14 +1409,13 @@ class AgentRuntime:
                 lane.wake()
                 await acquired
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, kind, result=result))
-            except AgentRunOwnershipConflictError as error:  # another process acquired it first
-                outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped", error=error))
-                blocked = True
-            except ThreadlineError as error:
+            except AgentRuntimeClosedError:
+                raise
+            except (ThreadlineError, RuntimeError) as error:
+                # a conflict (another executor acquired it, the queue moved), a refusal, or the run ended
+                # before it could be acquired: this run's outcome; the runs behind it wait
                 outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
                 blocked = True
-            except RuntimeError as error:  # ended before acquisition (absorbed, abandoned elsewhere)
-                outcomes.append(AgentRecoveryOutcome(cid, run.id, "failed", error=error))
         return outcomes
 
 
@@ -1260,11 +1447,15 @@ def create_agent_runtime(
     history: HistoryConfig | Mapping[str, Any] | None = None,
     publish: Callable[[Any], Any] | None = None,
     operator_publish: Callable[[Any], Any] | None = None,
+    include_internal_cause: bool = False,
 ) -> AgentRuntime:
     """Build a runtime. Each section is a dict or its typed config (``RunsConfig``, ``LoopConfig``,
     ``HistoryConfig``) with the same field names; unknown keys are refused. ``publish`` receives delivery
     events (``threadline.events.AgentRuntimeEvent``), ``operator_publish`` operator events
-    (``AgentRunEvent``); both may be plain callables or sinks from ``threadline.delivery``."""
+    (``AgentRunEvent``); both may be plain callables or sinks from ``threadline.delivery``.
+    ``run-terminal.cause`` (an internal cause: exception type and text) is redacted for a plain
+    ``operator_publish`` callable unless ``include_internal_cause=True``; an operator sink decides by its
+    own ``include_internal_cause``."""
     return AgentRuntime(
         protocol=protocol,
         store=store,
@@ -1276,4 +1467,5 @@ def create_agent_runtime(
         history=history,
         publish=publish,
         operator_publish=operator_publish,
+        include_internal_cause=include_internal_cause,
     )

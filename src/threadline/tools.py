@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_ai.tools import ToolDefinition
 
-from .errors import AgentRuntimeUsageError, ThreadlineError
+from .errors import AgentRuntimeUsageError, AgentToolFenceLostError, ThreadlineError
 
 if TYPE_CHECKING:
     from .durability import AgentStepDurability, StepBody, StepReconcile
@@ -55,7 +55,13 @@ def error_envelope(error: BaseException) -> dict[str, Any]:
 
 @dataclass
 class AgentToolContext:
-    """What a tool handler may receive as its first parameter (annotated ``AgentToolContext``)."""
+    """What a tool handler may receive as its first parameter (annotated ``AgentToolContext``).
+
+    ``owner_id`` and ``fencing_token`` identify the execution that runs the call: the token grows every time
+    the run is acquired (a takeover after a crash or an expired lease acquires it again). Pass them to an
+    external system that can refuse a stale writer (store the highest token seen per ``run_id`` and refuse a
+    lower one), and pass ``idempotency_key`` where the system deduplicates requests: a paused process that
+    wakes up after another one took its run over then cannot apply an effect the other already applied."""
 
     conversation_id: str
     run_id: str
@@ -66,8 +72,17 @@ class AgentToolContext:
     """``report_progress(message=None, progress=None, total=None)``: a transient ``tool-progress`` event
     for this call (never model input, never durable history). Reports closer than 250 ms are dropped."""
     extra: dict[str, Any] = field(default_factory=dict)
+    owner_id: str = ""
+    """The runtime executing the run (``runs.owner_id``)."""
+    fencing_token: int = 0
+    """The run's fencing token for this execution (monotonic per run)."""
+    idempotency_key: str = ""
+    """Stable for this call: ``tl:<conversation>:<run>:<call id>`` hashed, the same each time this exact call
+    record is executed (an approved call, a takeover of the same step); a new model turn is a new call."""
     _durability: AgentStepDurability | None = field(default=None, repr=False)
     """The runtime's step ledger (``threadline.durability``); ``None`` runs steps without recording them."""
+    _joined_run_ids: tuple[str, ...] = field(default=(), repr=False)
+    """Queued runs whose injected inputs this run answers too (``inject``): a step also stands for them."""
 
     async def step(self, name: str, body: StepBody, *, reconcile: StepReconcile | None = None) -> Any:
         """Run an external effect as a durable step and return its lossless-JSON value (a detached copy).
@@ -79,12 +94,22 @@ class AgentToolContext:
         :class:`~threadline.durability.AgentStepUncertainError`. A value that is not lossless JSON raises
         :class:`~threadline.durability.AgentStepValueError` *after* ``body`` ran: the effect happened.
         Without a ledger the body runs every time and nothing is recorded (the value rules still hold).
+
+        When inputs joined this run (``inject``), the step is recorded for their queued runs too: if this
+        run then ends without answering them (interrupted, crashed, abandoned) and their own run calls a
+        step of the same name, it gets this proof and the body does not run again.
         See :mod:`threadline.durability`.
         """
         from .durability import run_agent_step  # durability imports this module
 
         return await run_agent_step(
-            self._durability, self.conversation_id, self.run_id, name, body, reconcile=reconcile
+            self._durability,
+            self.conversation_id,
+            self.run_id,
+            name,
+            body,
+            reconcile=reconcile,
+            joined_run_ids=self._joined_run_ids,
         )
 
 
@@ -250,12 +275,31 @@ def compose_tool_lifecycle(*lifecycles: AgentToolLifecycle | None) -> AgentToolL
 
 
 def create_agent_tool_fence_lifecycle(check: Callable[[], Any]) -> AgentToolLifecycle:
-    """The fence as a lifecycle: ``check()`` verifies that this process still owns the run (owner,
-    fencing token, still running) before the tool's effect. Losing the fence raises an internal control
-    signal that stops the run's loop; it is never shown to the model as a tool error. The result is
-    accepted only by the run's next owned commit, whose compare-and-swap checks ownership again."""
+    """The fence as a lifecycle: ``check()`` (sync or async) verifies that this process still owns the run
+    (owner, fencing token, still running), before the tool's effect and again right after it, before the
+    result is accepted. ``check`` returning ``False`` or raising means the fence is lost: the call raises
+    :class:`~threadline.errors.AgentToolFenceLostError` (the cause chained), a control signal that stops the
+    run's loop — never a tool error the model sees, and never a terminal committed by this executor. Any
+    other return value means the fence holds. The run's next owned commit checks ownership again too."""
+
+    async def verify(call: AgentToolCall, moment: str) -> None:
+        try:
+            holds = await _maybe(check())
+        except AgentToolFenceLostError:
+            raise
+        except Exception as error:
+            raise AgentToolFenceLostError(
+                f"the fence check of call {call.call_id} ({moment}) raised {type(error).__name__}: {error}"
+            ) from error
+        if holds is False:
+            raise AgentToolFenceLostError(
+                f"run {call.run_id} is no longer owned by this executor (fence check {moment} call {call.call_id})"
+            )
 
     async def before(call: AgentToolCall) -> None:
-        await _maybe(check())
+        await verify(call, "before")
 
-    return AgentToolLifecycle(before=before)
+    async def after(call: AgentToolCall, output: Any) -> None:
+        await verify(call, "after")
+
+    return AgentToolLifecycle(before=before, after=after)

@@ -18,6 +18,52 @@ Summation rules (stitchkit 0.62, "What a run says it spent"):
 - two costs in different currencies do not add: the sum is ``unavailable``; nothing is ever converted;
 - a failed attempt's usage stays in the run's spend (add it like any other step).
 
+The rules hold per field: a field one step left ``unavailable`` and another reported sums to a
+``computed`` floor, and a field no step reported stays ``unavailable`` (not a floor of 0).
+
+Which token fields a step reported (pydantic-ai 2.68). pydantic-ai's ``RequestUsage`` reads 0 for every
+field nobody set, so the number alone cannot tell "the provider said 0" from "the provider said nothing".
+What can: the instance's own ``__dict__`` holds only the fields its mapping set. The provider mappings
+hand the wire usage to genai-prices (``RequestUsage.extract``), whose extractor returns only the fields
+present in the payload (``None`` ones are dropped), and their own fix-ups set a field only when the wire
+had it (Google's stream is the exception, below); the rest set input and output only. So, per detail
+field (``cache_read_tokens``, ``cache_write_tokens``, ``reasoning_tokens`` from ``output_reasoning_tokens``):
+
+- set on the instance → ``provider-reported``, a carried 0 included (it is a real 0);
+- not set → ``unavailable``;
+- when the set fields cannot be trusted (below) → ``provider-reported`` if non-zero, else ``unavailable``.
+
+Per provider mapping:
+
+- **OpenAI Chat** (and every OpenAI-compatible server: Ollama, vLLM, DeepSeek, OpenRouter…):
+  ``prompt_tokens_details.cached_tokens`` → cache read, ``prompt_tokens_details.cache_write_tokens`` →
+  cache write, ``completion_tokens_details.reasoning_tokens`` → reasoning; a server that sends no
+  ``*_details`` object leaves them ``unavailable``. A field the genai-prices extractor for that provider
+  does not map (Cerebras has no cache read) stays ``unavailable`` too: pydantic-ai never surfaces it.
+- **OpenAI Responses**: ``input_tokens_details.cached_tokens`` / ``.cache_write_tokens``,
+  ``output_tokens_details.reasoning_tokens`` (``details['reasoning_tokens']`` is filled with 0 even when
+  absent, so it is not read).
+- **Anthropic**: ``cache_read_input_tokens`` / ``cache_creation_input_tokens``
+  when the response carried them (0 included; streamed, they come from ``message_start``). Reasoning:
+  the mapping keeps ``output_tokens_details.thinking_tokens`` only when non-zero, so a 0 or an absent
+  count is ``unavailable``.
+- **Google** (``provider_name`` ``google`` / ``google-cloud``): a streamed response zero-fills cache read,
+  cache write and the audio fields on every chunk (``_backfill_dropped_token_fields``), and the Gemini API
+  typically omits a zero count anyway, so a Google zero is never trusted: ``cachedContentTokenCount`` /
+  ``thoughtsTokenCount`` count when non-zero. Gemini reports no cache writes: always ``unavailable``.
+- **Bedrock Converse**: ``cacheReadInputTokens`` / ``cacheWriteInputTokens`` when present; no reasoning
+  count (``unavailable``). **Groq**, **Mistral**: like OpenAI Chat. **Cohere**: ``cached_tokens``.
+  **xAI**: only non-zero counts are passed on, so a 0 is ``unavailable``. **Hugging Face**: input and
+  output only.
+- **FunctionModel / TestModel**: input and output only (pydantic-ai's word-count estimate, labelled as
+  the model's report); a ``FunctionModel`` function that returns its own ``usage`` reports what it set.
+- A ``RequestUsage`` that was validated from JSON (a stored or replayed response) has every field set,
+  0s included; a zero-filled one is recognised by ``cache_write_tokens`` and ``cache_audio_read_tokens``
+  both being set, which no single extractor does (Google's stream backfill and validation do).
+
+Audio token counts are not exposed: threadline sends and renders no audio, and they are already inside
+the input and output totals.
+
 Addition is associative, and ``AgentUsage()`` (no steps) contributes nothing, so a run total is
 ``functools.reduce(operator.add, steps, AgentUsage())`` in any grouping. Usage is not written to the store.
 """
@@ -31,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_ai.usage import RequestUsage
 
-from .records import evolve
+from ._evolve import evolve
 
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelResponse
@@ -89,6 +135,18 @@ def _figure(value: int | None, provenance: Provenance, floor: bool = False) -> U
     return figure
 
 
+def _carried(value: Any, zero_known: bool) -> UsageFigure:
+    """A detail field as a step's figure: ``value`` is what its mapping set, None when it set nothing."""
+    if value is None or (not value and not zero_known):
+        return _UNAVAILABLE
+    return _figure(value, "provider-reported")
+
+
+_ZERO_FILLING_PROVIDERS = frozenset({"google", "google-cloud", "google-gla", "google-vertex"})
+"""``ModelResponse.provider_name`` of the mappings that set detail fields to 0 the provider never sent
+(pydantic-ai's ``GoogleModel``, current and legacy names): a 0 from them is not a report."""
+
+
 def _total_provenance(*provenances: Provenance) -> Provenance:
     """A sum is ``computed`` unless one of its known parts was a guess."""
     return "estimated" if "estimated" in provenances else "computed"
@@ -117,23 +175,33 @@ class AgentUsage(BaseModel):
     @classmethod
     def unreported(cls) -> AgentUsage:
         """One step that reported nothing (a provider call that failed or was cut off before usage)."""
-        return cls(steps=1, complete=False)
+        return _UNREPORTED if cls is AgentUsage else cls(steps=1, complete=False)
 
     @classmethod
-    def from_request(cls, usage: RequestUsage | None) -> AgentUsage:
+    def from_request(cls, usage: RequestUsage | None, *, provider_name: str | None = None) -> AgentUsage:
         """One provider response's token usage (cost ``unavailable``); a response that omitted usage is
-        all ``unavailable``. Prefer :meth:`from_response`, which also knows the cost."""
+        all ``unavailable``. Prefer :meth:`from_response`, which also knows the cost.
+
+        Input and output are the provider's figures. Each detail field is ``provider-reported`` when the
+        response carried it (a carried 0 is a real 0) and ``unavailable`` when it did not, read from which
+        fields ``usage``'s mapping set (the module docstring has the rule per provider). ``provider_name``
+        (``ModelResponse.provider_name``) names a mapping that zero-fills fields: there a 0 is
+        ``unavailable``."""
         if usage is None or usage.unmeasured_requests or (usage.input_tokens == 0 and usage.output_tokens == 0):
             return cls.unreported()
-        reported = "provider-reported"
-        return cls(
-            steps=1,
-            input_tokens=_figure(usage.input_tokens, reported),
-            output_tokens=_figure(usage.output_tokens, reported),
-            cache_read_tokens=_figure(usage.cache_read_tokens, reported),
-            cache_write_tokens=_figure(usage.cache_write_tokens, reported),
-            reasoning_tokens=_figure(usage.output_reasoning_tokens, reported),
+        carried = usage.__dict__  # only the fields the mapping set; the class defaults read 0 for the rest
+        zero_known = provider_name not in _ZERO_FILLING_PROVIDERS and not (
+            "cache_audio_read_tokens" in carried and "cache_write_tokens" in carried
         )
+        figures = {
+            "input_tokens": _figure(usage.input_tokens, "provider-reported"),
+            "output_tokens": _figure(usage.output_tokens, "provider-reported"),
+            "cache_read_tokens": _carried(carried.get("cache_read_tokens"), zero_known),
+            "cache_write_tokens": _carried(carried.get("cache_write_tokens"), zero_known),
+            "reasoning_tokens": _carried(carried.get("output_reasoning_tokens"), zero_known),
+        }
+        # every figure is a valid field value: a subclass is validated, the hot path is not
+        return evolve(_ONE_STEP, figures) if cls is AgentUsage else cls(steps=1, **figures)
 
     @classmethod
     def from_response(cls, response: ModelResponse | None) -> AgentUsage:
@@ -146,7 +214,7 @@ class AgentUsage(BaseModel):
         """
         if response is None:
             return cls.unreported()
-        tokens = cls.from_request(response.usage)
+        tokens = cls.from_request(response.usage, provider_name=response.provider_name)
         cost = _reported_cost(response)
         if cost is None and tokens.complete:
             cost = _estimated_cost(response)
@@ -262,3 +330,5 @@ _NO_COST = AgentCost()
 _UNAVAILABLE = _figure(None, "unavailable")
 NO_USAGE = AgentUsage()
 """Nothing spent yet (frozen, so one instance serves every run)."""
+_ONE_STEP = AgentUsage(steps=1, **dict.fromkeys(TOKEN_FIELDS, _UNAVAILABLE))  # every field set: evolve shares it
+_UNREPORTED = AgentUsage(steps=1, complete=False)

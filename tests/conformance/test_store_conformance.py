@@ -169,3 +169,33 @@ async def test_a_driver_that_drops_run_updates_fails() -> None:
         assert f"FAILED {name}:" in str(caught.value)
     assert set(report.passed) | set(report.failed) == set(CONFORMANCE_CASES)
     assert all(f.traceback and f.name in str(caught.value) for f in report.failures)
+
+
+async def test_a_failing_case_is_reported_first_when_its_clean_up_fails_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver author must see what broke: the case's own failure, with the clean-up's attached — not a
+    clean-up error standing in for it (``async with`` would report the clean-up instead)."""
+
+    async def broken_case(store: AgentRuntimeStore) -> None:
+        raise AssertionError("the case's own failure")
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[AgentRuntimeStore]:
+        store = create_memory_agent_runtime_store()
+        try:
+            yield store
+        finally:
+            raise RuntimeError("the clean-up failed")
+
+    monkeypatch.setitem(CONFORMANCE_CASES, "zz_broken", broken_case)
+    with pytest.raises(AgentStoreConformanceError) as caught:
+        await run_agent_store_conformance(factory, only=["zz_broken", "duplicate_admission"])
+    report = caught.value.report
+    (failure,) = [f for f in report.failures if f.name == "zz_broken"]
+    assert isinstance(failure.error, AssertionError) and str(failure.error) == "the case's own failure"
+    assert isinstance(failure.cleanup_error, RuntimeError)
+    summary = report.summary()
+    assert summary.index("the case's own failure") < summary.index("the clean-up failed")
+    assert "the case's own failure" in caught.value.args[0]
+    # a case that passed but whose store could not be cleaned up is still a failure, named by the clean-up
+    (other,) = [f for f in report.failures if f.name == "duplicate_admission"]
+    assert isinstance(other.error, RuntimeError) and other.cleanup_error is None

@@ -4,8 +4,10 @@ Pins: the summary replaces the compactable prefix at the snapshot's exact versio
 makes the write conflict and the attempt is redone from a fresh snapshot — re-selected and
 re-summarised, the stale summary never lands — up to ``max_attempts`` (then ``conflict_exhausted`` with
 nothing written); a leading summary is merged (``previous_summary`` / ``read_previous_summary``) and
-replaced, never stacked; barriers (failed, superseded, dangling tool call) give ``barrier`` and the
-``assistant-marked`` evidence policy lets a failed turn be summarised; the projection afterwards carries
+replaced, never stacked; barriers (failed, dangling tool call) give ``barrier`` and the
+``assistant-marked`` evidence policy lets a failed turn be summarised; a superseded turn is no barrier, is
+never summarised and its record stays (``test_a_superseded_turn_inside_the_range_stays_and_is_skipped``
+FAILS until the reducer accepts it, see there); the projection afterwards carries
 the summary on the system channel; a running run is untouched and still commits; the runtime hook
 compacts only when ``should_compact(context_usage)`` says so. On a SQLite file, reading back with
 ``include_compacted`` gives the whole sequence in order, ``compacted`` naming the replaced ids and each
@@ -231,7 +233,6 @@ async def test_a_leading_summary_is_merged_and_replaced_not_stacked(store: Agent
     ("reason", "parts", "barrier"),
     [
         ("provider_failure", text("half an answer"), "failed"),
-        ("superseded", text("never spoken"), "superseded"),
         ("success", [{"type": "tool-call", "call_id": "c1", "tool_name": "lookup", "input": {}}], "dangling-tool-call"),
     ],
 )
@@ -243,6 +244,43 @@ async def test_barriers(store: AgentRuntimeStore, reason: str, parts: list[Any],
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
     assert outcome.outcome == "barrier" and summarize.calls == []
     assert outcome.barrier is not None and (outcome.barrier.message_id, outcome.barrier.reason) == ("x:in", barrier)
+
+
+async def test_a_superseded_turn_before_the_recent_turns_waits_with_them(store: AgentRuntimeStore) -> None:
+    for n, reason in (("t1", "success"), ("x", "superseded"), ("t2", "success"), ("t3", "success")):
+        await turn(store, n, reason=reason, parts=text("SUPERSEDED draft") if reason == "superseded" else None)
+    summarize = Summarizer()
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=2)
+    # t2 answered x's input, and t2 is recent: x stays whole, and it did not stop the prefix
+    assert outcome.outcome == "compacted" and outcome.barrier is None
+    assert outcome.replaced_message_ids == ("t1:in", "t1:out")
+
+
+async def test_a_superseded_turn_inside_the_range_stays_and_is_skipped(store: AgentRuntimeStore) -> None:
+    """NEEDS A REDUCER CHANGE — fails until ``replace_compacted_range`` accepts it.
+
+    The selection skips the superseded answer (never summarised, never in ``replaced_message_ids``) and
+    compacts the turns after it. The range it replaces is then contiguous in active settled history but
+    for that record, which sits between replaced messages. The reducer must accept an active superseded
+    assistant inside ``[lo, hi]`` that is not in ``replaced_message_ids`` and leave it untouched (still
+    active, no ``compacted_by``); today it refuses with "not one contiguous range"."""
+    for n, reason in (("t1", "success"), ("x", "superseded"), ("t2", "success"), ("t3", "success")):
+        await turn(store, n, reason=reason, parts=text("SUPERSEDED draft") if reason == "superseded" else None)
+    summarize = Summarizer()
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    replaced = ("t1:in", "t1:out", "x:in", "t2:in", "t2:out")  # x's input goes with t2, which answered it
+    assert summarize.calls == [(list(replaced), None)]  # the discarded text never reaches the summariser
+    assert outcome.outcome == "compacted" and outcome.replaced_message_ids == replaced
+    assert await snapshot_ids(store) == ["x:out", outcome.summary_id, "t3:in", "t3:out"]
+    kept = next(m for m in await everything(store) if m.id == "x:out")
+    assert (kept.status, kept.active, kept.compacted_by) == ("superseded", True, None)  # the record is kept
+    snapshot = await store.load_snapshot(conversation_id=CID)
+    projected = project_agent_history_detailed(snapshot.messages)
+    assert {d.message_id: d.reason for d in projected.decisions}["x:out"] == "superseded"
+    # and the next compaction finds the leading summary behind it
+    await turn(store, "t4")
+    again = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    assert again.replaced_message_ids == (outcome.summary_id, "t3:in", "t3:out")
 
 
 async def test_failed_evidence_opted_in_is_summarised(store: AgentRuntimeStore) -> None:

@@ -175,9 +175,11 @@ async def test_tool_call_then_text_sends_the_tool_result_back_with_the_call_id(
     assert "sunny in Paris" in tool_messages[0]["content"]
 
 
-async def test_instructions_reach_the_wire_as_a_system_message_on_every_request(
+async def test_instructions_reach_the_wire_as_system_messages_on_every_request(
     store: Any, server: FaultProviderServer
 ) -> None:
+    """Each contribution is its own instruction part (the prompt-caching hook), and OpenAI Chat sends each
+    part as a system message of its own, in order."""
     prompt = compose_agent_prompt(
         [
             {"name": "product", "stability": "stable", "render": lambda ctx: "You are a weather assistant."},
@@ -187,11 +189,10 @@ async def test_instructions_reach_the_wire_as_a_system_message_on_every_request(
     server.script([stream_tool_calls([("call_1", "weather", '{"city": "Oslo"}')]), stream_text("Cold.")])
     result = await run_one(store, server.model(), tools=[weather], prompt=prompt)
     assert result.terminal_reason == "success"
-    expected = "You are a weather assistant.\n\nHelp user u1."
     assert len(server.requests) == 2
     for sent in server.requests:
         assert sent.messages[0]["role"] == "system"
-        assert sent.system_messages == [expected]
+        assert sent.system_messages == ["You are a weather assistant.", "Help user u1."]
 
 
 # ------------------------------------------------------------------------------------------ faults
@@ -431,3 +432,23 @@ async def test_unknown_routes_do_not_consume_the_script(server: FaultProviderSer
     await writer.wait_closed()
     assert reply.startswith(b"HTTP/1.1 404") and server.remaining == 1
     assert server.requests[0].path == "/v1/models" and server.requests[0].behaviour is None
+
+
+async def test_a_failed_attempt_s_step_finished_carries_the_response_identity_it_was_given(
+    store: Any, server: FaultProviderServer
+) -> None:
+    """The provider named its response before the connection dropped: the failed attempt's operator
+    ``step-finished`` says which response it was, and the run's durable usage counts that attempt."""
+    server.script([drop_after(1, ["Half ", "never"])])
+    events: list[Any] = []
+    runtime = make_runtime(store, server.model(), operator_publish=events.append)
+    try:
+        result = await ask(runtime)
+    finally:
+        await runtime.close(grace_period=0, force_timeout=GUARD)
+    assert result.terminal_reason == "provider_failure"
+    finished = [e for e in events if e.type == "step-finished"]
+    assert len(finished) == 1 and finished[0].response is not None
+    assert finished[0].response.id.startswith("chatcmpl-fault")
+    stored = await store.load_run(conversation_id="c1", run_id=result.run.id)
+    assert stored.run.usage.steps == 1 and not stored.run.usage.complete

@@ -79,7 +79,8 @@ async def test_a_fence_lost_mid_tool_stops_the_old_loop_without_applying_the_res
 async def test_the_step_finish_commit_is_the_fence_unless_an_application_hook_may_wait_between(store: Any) -> None:
     """The finish commit before a step's tools is a compare-and-swap on owner and fencing token: when
     nothing can run between it and the calls, it is their fence. An application ``before`` hook, or a
-    callable approval rule, may wait on anything: then the fence reads the run again, once per call."""
+    callable approval rule, may wait on anything: then the fence reads the run again, once per call. After
+    the tool returned, the fence always reads the run again before the result is accepted."""
     effects: list[str] = []
 
     @define_agent_tool
@@ -92,9 +93,9 @@ async def test_the_step_finish_commit_is_the_fence_unless_an_application_hook_ma
         return stats.calls if stats is not None else 0
 
     cases: list[tuple[dict[str, Any], int]] = [
-        ({}, 0),
-        ({"tool_lifecycle": AgentToolLifecycle(before=lambda call: None)}, 1),
-        ({"tool_approval": lambda call: False, "tool_approval_secret": SECRET}, 1),
+        ({}, 1),
+        ({"tool_lifecycle": AgentToolLifecycle(before=lambda call: None)}, 2),
+        ({"tool_approval": lambda call: False, "tool_approval_secret": SECRET}, 2),
     ]
     for n, (loop, reads) in enumerate(cases):
         runtime = make_runtime(store, call_then_answer("effect"), tools=[effect], loop=loop)

@@ -65,7 +65,7 @@ class Counted:
 def write_bare_intent(durability: LocalStepDurability, conversation_id: str, run_id: str, effect_name: str) -> None:
     """What a process that died between the intent's commit and the proof's leaves behind."""
     assert (
-        durability._ledger.claim(AgentStepKey(conversation_id, run_id, effect_name), "2025-01-01T00:00:00+00:00")
+        durability._ledger.claim((AgentStepKey(conversation_id, run_id, effect_name),), "2025-01-01T00:00:00+00:00")
         is None
     )
 

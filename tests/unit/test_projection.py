@@ -11,6 +11,7 @@ pydantic-ai's own adapter — with no superseded text anywhere.
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +31,7 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 from pydantic_ai.models import ModelRequestParameters
-from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from threadline.errors import AgentRecordValidationError, ThreadlineError
@@ -378,6 +379,70 @@ def test_orphan_result_and_duplicate_call_id() -> None:
         project_agent_history(dup, {"incomplete_tool_turn": "error"})
 
 
+def test_a_result_naming_another_tool_is_unmatched_chronology() -> None:
+    answer = msg("a1", "assistant", call("c1", "lookup"), result("c1", tool="delete"), TextPart(text="x"))
+    history = [user("u1"), answer]
+    p = project_agent_history_detailed(history)
+    assert p.messages[1].parts == [AiTextPart("x")]  # neither the call nor the result that does not answer it
+    d = decision(p, "a1")
+    assert (d.action, d.reason) == ("projected", "unmatched-tool-chronology")
+    assert "'delete'" in (d.detail or "") and "'lookup'" in (d.detail or "")
+    assert d.omitted_parts == ["tool-result", "tool-call"]
+    assert_provider_valid(p.messages)
+    with pytest.raises(AgentHistoryProjectionError, match="names tool 'delete'") as refused:
+        project_agent_history(history, {"incomplete_tool_turn": "error"})
+    assert refused.value.message_id == "a1"
+
+
+@pytest.mark.parametrize(
+    ("status", "interrupted_assistant"),
+    [
+        ("completed", "assistant-marked"),
+        ("interrupted", "assistant-marked"),
+        ("interrupted", "system-note"),
+    ],
+)
+def test_an_assistant_holding_only_an_unanswered_call_is_an_incomplete_tool_turn(
+    status: str, interrupted_assistant: str
+) -> None:
+    history = [user("u1"), msg("a1", "assistant", call("c1"), ControlPart(), status=status), user("u2")]
+    p = project_agent_history_detailed(history, {"interrupted_assistant": interrupted_assistant})
+    d = decision(p, "a1")
+    assert (d.action, d.reason, d.omitted_parts) == ("omitted", "incomplete-tool-turn", ["tool-call"])
+    assert [m.kind for m in p.messages] == ["request"] and p.system == []  # no marker, no empty note
+
+
+def test_an_unanswered_call_in_error_mode_refuses_a_completed_turn_only() -> None:
+    completed = [user("u1"), msg("a1", "assistant", call("c1"))]
+    with pytest.raises(AgentHistoryProjectionError, match="unanswered"):
+        project_agent_history(completed, {"incomplete_tool_turn": "error"})
+    cut = [user("u1"), msg("a1", "assistant", call("c1"), status="interrupted")]  # cut off: expected
+    p = project_agent_history_detailed(cut, {"incomplete_tool_turn": "error"})
+    assert decision(p, "a1").reason == "incomplete-tool-turn"
+
+
+def test_a_system_note_lists_what_it_leaves_out() -> None:
+    a = msg("a1", "assistant", TextPart(text="let me"), call("c1"), status="interrupted")
+    p = project_agent_history_detailed([user("u1"), a], {"interrupted_assistant": "system-note"})
+    assert p.system == ["[interrupted] partial response: let me"]
+    d = decision(p, "a1")
+    assert (d.action, d.reason, d.omitted_parts) == ("projected", "interrupted-system-note", ["tool-call"])
+
+
+def test_a_call_awaiting_approval_alone_is_omitted_as_awaiting_approval() -> None:
+    asks = msg("a1", "assistant", call("c9"), ApprovalRequestPart(approval_id="ap", call_id="c9", tool_name="lookup"))
+    p = project_agent_history_detailed([user("u1"), asks], {"incomplete_tool_turn": "error"})
+    d = decision(p, "a1")
+    assert (d.action, d.reason, d.omitted_parts) == ("omitted", "awaiting-approval", ["tool-call", "approval-request"])
+
+
+def test_a_failed_turn_with_only_a_call_still_says_it_failed() -> None:
+    history = [user("u1"), msg("a1", "assistant", call("c1"), status="failed")]
+    p = project_agent_history_detailed(history, {"evidence_policy": {"failed_assistant": "assistant-marked"}})
+    assert p.messages[1].parts == [AiTextPart(FAILED_MARKER)]
+    assert decision(p, "a1").omitted_parts == ["tool-call"]
+
+
 def test_leading_assistant_is_omitted() -> None:
     p = project_agent_history_detailed([msg("a0", "assistant", TextPart(text="welcome")), user("u1")])
     assert [m.kind for m in p.messages] == ["request"]
@@ -489,9 +554,72 @@ def test_anthropic_wire_of_a_multi_step_history() -> None:  # pragma: no cover -
     assert [m["role"] for m in wire] == ["user", "assistant", "user", "assistant"]
 
 
+def assert_responses_wire_valid(messages: list[ModelMessage]) -> None:
+    """OpenAI Responses: every function_call answered by one function_call_output, no orphan output."""
+    model = OpenAIResponsesModel("gpt-5", provider=OpenAIProvider(api_key="x"))
+    wire = asyncio.run(model._map_messages(messages, {}, ModelRequestParameters()))[1]
+    calls = [i["call_id"] for i in wire if i.get("type") == "function_call"]
+    outputs = [i["call_id"] for i in wire if i.get("type") == "function_call_output"]
+    assert sorted(calls) == sorted(outputs) and len(set(calls)) == len(calls)
+
+
+def assert_anthropic_wire_valid(messages: list[ModelMessage]) -> None:
+    """Anthropic: the tool_use blocks of an assistant message are answered by the next user message."""
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+
+    model = AnthropicModel("claude-sonnet-4-5", provider=AnthropicProvider(api_key="x"))
+    wire = asyncio.run(model._map_message(messages, ModelRequestParameters(), {}))[1]
+    for i, item in enumerate(wire):
+        blocks = item["content"] if isinstance(item["content"], list) else []
+        used = sorted(b["id"] for b in blocks if b.get("type") == "tool_use")
+        if item["role"] == "assistant" and used:
+            answer = wire[i + 1]["content"] if i + 1 < len(wire) else []
+            assert sorted(b["tool_use_id"] for b in answer if b.get("type") == "tool_result") == used
+
+
+def assert_google_wire_valid(messages: list[ModelMessage]) -> None:
+    """Gemini: the function_call parts of a model turn are answered by the next user turn."""
+    from pydantic_ai.models.google import GoogleModel
+    from pydantic_ai.providers.google import GoogleProvider
+
+    model = GoogleModel("gemini-2.5-flash", provider=GoogleProvider(api_key="x"))
+    wire = asyncio.run(model._map_messages(messages, ModelRequestParameters()))[1]
+    for i, item in enumerate(wire):
+        called = sorted(p["function_call"]["id"] for p in item["parts"] if "function_call" in p)
+        if item["role"] == "model" and called:
+            answer = wire[i + 1]["parts"] if i + 1 < len(wire) else []
+            assert sorted(p["function_response"]["id"] for p in answer if "function_response" in p) == called
+
+
+WIRES: dict[str | None, Any] = {
+    None: assert_openai_wire_valid,
+    "openai": assert_responses_wire_valid,
+    "anthropic": assert_anthropic_wire_valid,
+    "google": assert_google_wire_valid,
+}
+HAVE_EXTRAS = all(importlib.util.find_spec(m) is not None for m in ("anthropic", "google.genai"))
+
+
+def secret(provider: str) -> str:
+    return f"SECRET-{provider}"
+
+
+def encoded(provider: str) -> str:
+    return base64.b64encode(secret(provider).encode()).decode()  # signatures are base64
+
+
+def envelope_of(provider: str) -> ProviderEnvelope:
+    """Metadata as ``canonical_parts`` stores it, marked so a leak to another provider is visible."""
+    signature = encoded(provider)
+    details = {"thought_signature": signature} if provider == "google" else {"marker": secret(provider)}
+    return ProviderEnvelope(provider=provider, data={"id": secret(provider), "provider_details": details})
+
+
 # ------------------------------------------------------------------------------- property test
 
 CALL_IDS = ["c0", "c1", "c2", "c3"]
+PROVIDER_NAMES = ["openai", "anthropic", "google"]
 STATUSES = ["completed", "interrupted", "superseded", "failed", "streaming"]
 KINDS = st.sampled_from(["user"] * 3 + ["assistant"] * 4 + ["system", "summary", "tool"])
 
@@ -503,14 +631,21 @@ def assistant_parts(label: str, i: int, user_ids: list[str]) -> st.SearchStrateg
         lambda ids: [*(call(c) for c in ids), *(result(c, f"{label} out") for c in ids)],
         st.lists(calls, min_size=1, max_size=2, unique=True),
     )
+    envelopes = st.one_of(st.none(), st.sampled_from(PROVIDER_NAMES).map(envelope_of))
     return st.one_of(
         well_formed_round,
-        st.builds(lambda k: TextPart(text=f"{label} {i}.{k}"), st.integers(0, 9)),
-        st.builds(call, calls),
+        st.builds(lambda k, e: TextPart(text=f"{label} {i}.{k}", envelope=e), st.integers(0, 9), envelopes),
+        st.builds(lambda c, e: call(c, envelope=e), calls, envelopes),
         st.builds(lambda c, o: result(c, f"{label} out", outcome=o), calls, st.sampled_from(["success", "error"])),
         st.builds(
-            lambda p: ReasoningPart(text=f"{label} thought", envelope=ProviderEnvelope(provider=p)),
-            st.sampled_from(["openai", "anthropic"]),
+            lambda p, signed: ReasoningPart(
+                text=f"{label} thought",
+                envelope=envelope_of(p).model_copy(update={"data": {**envelope_of(p).data, "signature": encoded(p)}})
+                if signed
+                else ProviderEnvelope(provider=p),
+            ),
+            st.sampled_from(PROVIDER_NAMES),
+            st.booleans(),
         ),
         st.builds(
             lambda ids: InputJoinedPart(run_id="r", message_ids=tuple(ids), step=0),
@@ -549,7 +684,7 @@ OPTIONS = st.fixed_dictionaries(
     {
         "interrupted_assistant": st.sampled_from(["assistant-marked", "system-note", "omit"]),
         "evidence_policy": st.fixed_dictionaries({"failed_assistant": st.sampled_from(["omit", "assistant-marked"])}),
-        "provider_name": st.sampled_from([None, "openai"]),
+        "provider_name": st.sampled_from([None, *PROVIDER_NAMES]),
         "unresolved_file": st.sampled_from(["omit", "text"]),
     }
 )
@@ -565,8 +700,18 @@ def test_property_projection_is_always_provider_valid(
     dumped = ModelMessagesTypeAdapter.dump_json(p.messages).decode()
     assert "SUPERSEDED" not in dumped and not any("SUPERSEDED" in line for line in p.system)
     assert [d.message_id for d in p.decisions] == [m.id for m in history]
-    if wire:
-        assert_openai_wire_valid(p.messages)
+    # provider metadata reaches only the provider that produced it
+    own = options["provider_name"]
+    for message in p.messages:
+        for part in message.parts:
+            if isinstance(part, AiTextPart | AiToolCallPart | ThinkingPart):
+                assert part.provider_name in (None, own)
+                assert own is not None or (part.id, part.provider_details) == (None, None)
+    foreign = [marker for name in PROVIDER_NAMES if name != own for marker in (secret(name), encoded(name))]
+    leaked = [marker for marker in foreign if marker in dumped]
+    assert not leaked
+    if wire and (own is None or HAVE_EXTRAS):
+        WIRES[own](p.messages)
 
     try:
         strict = project_agent_history(history, {**options, "incomplete_tool_turn": "error"})

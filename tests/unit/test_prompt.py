@@ -2,7 +2,10 @@
 
 Pins: contributions render in order, skip empty ones, keep name, stability, source and index, and count
 tokens with provenance (measured / estimated / unavailable); ``adapt_instructions`` (sync, async, per
-call) and the per-contribution pydantic-ai ``InstructionPart`` s; usage errors. The seed's budget edge
+call) and the per-contribution pydantic-ai ``InstructionPart`` s; what a request sends
+(``agent_instructions``, ``with_history_system``, ``request_instruction_parts``): the parts in order, the
+history's system channel as one more part, text a ``prepare_step`` replaced as one part, and adapter results
+that are no instruction part refused by name; usage errors. The seed's budget edge
 cases exactly ("Prompt budgeting keeps reservation deficits signed"): fixed parts over the window are
 ``oversized`` with a negative ``available_history_tokens`` even with empty history; ``compact`` only when
 removing history could make it fit; exact equality fits, including a zero window with zero everything;
@@ -19,14 +22,18 @@ from pydantic_ai.messages import InstructionPart
 
 from threadline.errors import AgentRuntimeUsageError
 from threadline.history.prompt import (
+    AgentInstructions,
     AgentPrompt,
     AgentPromptBudget,
     AgentPromptContribution,
     RenderedContribution,
+    agent_instructions,
     compose_agent_prompt,
     decide_prompt_budget,
     estimate_tokens,
     estimate_tool_schema_tokens,
+    request_instruction_parts,
+    with_history_system,
 )
 
 CTX = SimpleNamespace(context=SimpleNamespace(user_id="u1"), conversation_id="c", run=None, model=None)
@@ -210,6 +217,77 @@ async def test_adapt_instructions_hook() -> None:
 
     per_call = await compose_agent_prompt(contributions, adapt_instructions=openrouter)(CTX, adapt_instructions=parts)
     assert [p.content for p in per_call.adapted] == ["Be brief."]
+
+
+SPLIT = [
+    {"name": "product", "stability": "stable", "render": lambda ctx: "You are terse."},
+    {"name": "user", "stability": "dynamic", "render": lambda ctx: "Now helping u1."},
+]
+
+
+def contents(parts: Any) -> list[tuple[str, bool]]:
+    return [(p.content, p.dynamic) for p in parts or ()]
+
+
+async def test_a_request_sends_the_split_and_the_history_system_as_its_own_part() -> None:
+    prompt = await compose_agent_prompt(SPLIT)(CTX)
+    instructions = agent_instructions(prompt)
+    assert isinstance(instructions, str) and instructions == "You are terse.\n\nNow helping u1."
+    step = with_history_system(instructions, ["earlier: they met", "be brief"])
+    assert step == "You are terse.\n\nNow helping u1.\n\nearlier: they met\n\nbe brief"  # the text, as before
+    assert contents(request_instruction_parts(step)) == [
+        ("You are terse.", False),
+        ("Now helping u1.", True),
+        ("earlier: they met\n\nbe brief", False),
+    ]
+    assert with_history_system(instructions, []) is instructions
+
+
+async def test_text_in_place_of_the_instructions_is_sent_as_it_is() -> None:
+    step = with_history_system(agent_instructions(await compose_agent_prompt(SPLIT)(CTX)), ["be brief"])
+    assert contents(request_instruction_parts(step.upper())) == [(step.upper(), False)]  # any edit is plain text
+    assert request_instruction_parts("") is None
+    assert request_instruction_parts(agent_instructions(None)) is None
+    plain = with_history_system("  Be kind.  ", [])  # a prompt that is a plain callable returning text
+    assert plain == "Be kind." and contents(request_instruction_parts(plain)) == [("Be kind.", False)]
+    assert contents(request_instruction_parts(with_history_system("", ["SUMMARY"]))) == [("SUMMARY", False)]
+
+
+@pytest.mark.parametrize(
+    ("adapted", "expected"),
+    [
+        (InstructionPart(content="one", dynamic=True), [("one", True)]),
+        ("as text", [("as text", False)]),
+        ({"role": "system", "content": "a system message"}, [("a system message", False)]),
+        (["first", {"content": "second", "dynamic": True}], [("first", False), ("second", True)]),
+    ],
+)
+async def test_adapted_instructions_become_the_parts(adapted: Any, expected: list[tuple[str, bool]]) -> None:
+    prompt = await compose_agent_prompt(SPLIT, adapt_instructions=lambda text: adapted)(CTX)
+    assert contents(prompt.request_parts()) == expected
+    assert contents(agent_instructions(prompt).parts) == expected
+    assert agent_instructions(prompt) == prompt.instructions
+
+
+@pytest.mark.parametrize(
+    ("adapted", "names"),
+    [
+        ({"role": "system", "content": "x", "provider_options": {}}, "provider_options"),
+        ({"role": "user", "content": "x"}, "'user'"),
+        ({"content": 3}, "'content'"),
+        ([InstructionPart(content="ok"), 3], r"adapt_instructions\(\.\.\.\)\[1\] is a int"),
+    ],
+)
+async def test_an_adapter_result_that_is_no_instruction_part_is_refused_by_name(adapted: Any, names: str) -> None:
+    prompt = await compose_agent_prompt(SPLIT, adapt_instructions=lambda text: adapted)(CTX)
+    with pytest.raises(AgentRuntimeUsageError, match=names):
+        agent_instructions(prompt)
+
+
+def test_instructions_of_another_kind_are_refused() -> None:
+    with pytest.raises(AgentRuntimeUsageError, match="AgentPrompt, not int"):
+        agent_instructions(3)  # type: ignore[arg-type]
+    assert AgentInstructions("x", ()).parts == ()
 
 
 @pytest.mark.parametrize(

@@ -90,8 +90,8 @@ def call(cid: str) -> ToolCallPart:
     return ToolCallPart(call_id=cid, tool_name="lookup", input={"q": cid})
 
 
-def result(cid: str) -> ToolResultPart:
-    return ToolResultPart(call_id=cid, tool_name="lookup", output="ok")
+def result(cid: str, tool: str = "lookup") -> ToolResultPart:
+    return ToolResultPart(call_id=cid, tool_name=tool, output="ok")
 
 
 # ------------------------------------------------------------------------------------------------ turns
@@ -146,6 +146,7 @@ def test_turns_group_runs_seeds_lead_and_summaries() -> None:
         (lambda h: h.turn("r", result("c1")), "invalid-tool-chronology"),
         (lambda h: h.turn("r", call("c1"), result("c1"), call("c1"), result("c1")), "invalid-tool-chronology"),
         (lambda h: h.turn("r", call("c1"), result("c1"), TextPart(text="x"), result("c1")), "invalid-tool-chronology"),
+        (lambda h: h.turn("r", call("c1"), result("c1", tool="other")), "invalid-tool-chronology"),
         (
             lambda h: h.turn("r", ApprovalRequestPart(approval_id="a1", call_id="c1", tool_name="pay")),
             "unresolved-approval",
@@ -411,7 +412,6 @@ def test_compactable_prefix_after_leading_summary() -> None:
     [
         ("completed", (call("c1"),), "dangling-tool-call"),
         ("completed", (ApprovalRequestPart(approval_id="a", call_id="c", tool_name="pay"),), "unresolved-approval"),
-        ("superseded", (), "superseded"),
         ("failed", (), "failed"),
         ("none", (), "unanswered-input"),
     ],
@@ -431,6 +431,63 @@ def test_barrier_stops_the_prefix(status: str, parts: tuple[Any, ...], reason: s
     first.turn("t2")
     blocked = select_compactable_history(first.messages, 1)
     assert blocked.compactable == () and blocked.barrier is not None
+
+
+def test_a_superseded_turn_is_skipped_never_summarised_and_not_a_barrier() -> None:
+    h = History()
+    h.turn("t1")
+    h.turn("x", TextPart(text="SUPERSEDED draft"), status="superseded")
+    h.turn("t2")
+    h.turn("t3")
+    sel = select_compactable_history(h.messages, 1)
+    # the turns after it stay compactable; its input goes with t2, the turn that answered it
+    assert ids(sel.compactable) == ["t1:in0", "t1:out", "x:in0", "t2:in0", "t2:out"]
+    assert sel.replaced_message_ids == ("t1:in0", "t1:out", "x:in0", "t2:in0", "t2:out")
+    assert ids(sel.superseded) == ["x:out"] and sel.barrier is None
+    assert sel.turns == 2  # it is not counted as a turn
+    assert ids(sel.retained) == ["t3:in0", "t3:out"]
+    assert ids(sel.ordered()) == ids(h.messages)
+    summary = h.messages[0].model_copy(update={"id": "sum", "role": "summary", "run_id": None, "position": 5})
+    # as the store keeps it: the superseded record stays, before the summary placed after what it replaced
+    assert ids(sel.with_summary(summary)) == ["x:out", "sum", "t3:in0", "t3:out"]
+
+    # with the turn that answered it kept as recent, its input stays with that turn
+    recent = select_compactable_history(h.messages, 2)
+    assert ids(recent.compactable) == ["t1:in0", "t1:out"] and recent.superseded == ()
+    assert recent.barrier is None and ids(recent.ordered()) == ids(h.messages)
+    # and it never counts toward keep_recent_turns: three answered turns, so keeping three compacts nothing
+    assert select_compactable_history(h.messages, 3).compactable == ()
+
+
+def test_a_superseded_answer_left_by_an_earlier_compaction_stays_before_the_leading_summary() -> None:
+    h = History()
+    h.add("x:out", "assistant", TextPart(text="SUPERSEDED"), status="superseded", run_id="x")
+    h.add("sum", "summary")
+    h.turn("t1")
+    h.turn("t2")
+    sel = select_compactable_history(h.messages, 1)
+    assert sel.leading_summary is not None and sel.leading_summary.id == "sum"
+    assert sel.replaced_message_ids == ("sum", "t1:in0", "t1:out")
+    assert ids(sel.retained[: sel.prefix]) == ["x:out"] and sel.superseded == ()
+    assert ids(sel.ordered()) == ids(h.messages)
+
+
+def test_a_superseded_turn_after_a_barrier_or_at_the_end_stays() -> None:
+    h = History()
+    h.turn("t1")
+    h.turn("t2")
+    h.turn("x", status="superseded")
+    h.turn("live", settled=False, status="none")
+    sel = select_compactable_history(h.messages, 0)
+    assert ids(sel.compactable) == ["t1:in0", "t1:out", "t2:in0", "t2:out"] and sel.superseded == ()
+    assert sel.barrier is not None and sel.barrier.message_id == "live:in0"
+    # nothing answered its input yet (a summary is no answer): it waits, and what follows it with it
+    unanswered = History()
+    unanswered.turn("t1")
+    unanswered.turn("x", status="superseded")
+    unanswered.add("sum", "summary")
+    sel = select_compactable_history(unanswered.messages, 0)
+    assert ids(sel.compactable) == ["t1:in0", "t1:out"] and ids(sel.retained) == ["x:in0", "x:out", "sum"]
 
 
 def test_failed_turn_is_compactable_with_assistant_marked_evidence() -> None:
@@ -571,20 +628,29 @@ def test_property_compactable_never_splits_a_turn_nor_crosses_a_barrier(spec: Sp
 
     # a partition of the input, in order
     assert ids(sel.ordered()) == ids(messages)
-    # never half a turn: every message of a compacted run (absorbed inputs included) is compacted
+    # never half a turn: every message of a compacted run (absorbed inputs included) is compacted, but a
+    # superseded answer, which is never summarised and stays in place
     chosen = set(ids(sel.compactable))
+    skipped = set(ids(sel.superseded))
+    assert all(m.role == "assistant" and m.status == "superseded" for m in sel.superseded)
     for m in messages:
         k = key(spec, m)
         if k is not None and any(key(spec, c) == k for c in sel.compactable):
-            assert m.id in chosen, (m.id, ids(sel.compactable))
-    # nothing at or after a barrier
-    bad = set(spec.bad_runs) | (set() if marked else spec.failed_runs)
+            assert m.id in chosen | skipped, (m.id, ids(sel.compactable))
+    # nothing at or after a barrier; a superseded turn is none
+    superseded_runs = {run for run, why in spec.bad_runs.items() if "superseded" in why}
+    bad = (set(spec.bad_runs) - superseded_runs) | (set() if marked else spec.failed_runs)
     barrier_at = min((index[m.id] for m in messages if key(spec, m) in bad), default=len(messages))
     assert all(index[m.id] < barrier_at for m in sel.compactable)
     # only settled history, never the lead band, never superseded or unfinished records
     for m in sel.compactable:
         assert m.position is not None and m.band == "history"
         assert m.status not in ("superseded", "streaming")
+    # a superseded turn's input is compacted only with a later turn that answered it
+    for m in sel.compactable:
+        if key(spec, m) in superseded_runs and m.role == "user":
+            later = [c for c in sel.compactable if index[c.id] > index[m.id] and key(spec, c) != key(spec, m)]
+            assert any(c.role == "assistant" for c in later), (m.id, ids(sel.compactable))
     # the most recent complete turns stay
     answers = complete_answers(spec, marked)
     recent = answers[-keep:] if keep else []
@@ -595,16 +661,31 @@ def test_property_compactable_never_splits_a_turn_nor_crosses_a_barrier(spec: Sp
     if sel.leading_summary is not None:
         assert sel.leading_summary.role == "summary"
         assert all(m.band == "lead" for m in sel.retained[: sel.prefix])
-    # maximal: the range stops only at a barrier, at the recent turns, or at the end
-    end = sel.prefix + (1 if sel.leading_summary is not None else 0) + len(sel.compactable)
+    # maximal: the range stops only at a barrier, at the recent turns, or at the end (superseded turns
+    # just before them wait with them)
+    end = sel.prefix + (1 if sel.leading_summary is not None else 0) + len(sel.compactable) + len(sel.superseded)
+
+    def group(m: Message) -> str:
+        return key(spec, m) or m.id.split(":")[0]
+
+    waited = False  # a superseded turn no answered turn followed in the range, and what came after it
+    while end < len(messages) and (
+        group(messages[end]) in superseded_runs or (waited and messages[end].role == "summary")
+    ):
+        waited = waited or group(messages[end]) in superseded_runs
+        end += 1
     if end < len(messages):
         nxt = messages[end]
-        group = key(spec, nxt) or nxt.id.split(":")[0]
-        members = [m.id for m in messages if (key(spec, m) or m.id.split(":")[0]) == group]
-        assert group in bad or set(members) & set(recent) or len(answers) < keep, (nxt.id, ids(sel.compactable))
-    # the replaced range is contiguous in causal order
+        members = [m.id for m in messages if group(m) == group(nxt)]
+        assert group(nxt) in bad or set(members) & set(recent) or len(answers) < keep, (nxt.id, ids(sel.compactable))
+    # the replaced range is contiguous in causal order, but for the superseded answers kept inside it
     replaced = [index[i] for i in sel.replaced_message_ids]
-    assert replaced == list(range(replaced[0], replaced[0] + len(replaced))) if replaced else True
+    if replaced:
+        span = sorted([*replaced, *(index[m.id] for m in sel.superseded)])
+        assert span == list(range(span[0], span[0] + len(span)))
+        assert all(min(replaced) < index[m.id] < max(replaced) for m in sel.superseded)
+    else:
+        assert sel.superseded == ()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import ThreadlineError
+from ..errors import AgentRunUnsettledError, ThreadlineError
 from ..records import Message
 from ..runtime import AgentRuntime, AgentRuntimeTicket
 from .common import CliContext, ModelChoice, OpenStore, build_runtime, check_model, choose_model, clock_tool, open_store
@@ -173,7 +173,16 @@ class ChatSession:
         try:
             if not admitted:
                 await ticket.admission
-            result = await ticket.result
+            try:
+                result = await ticket.result
+            except AgentRunUnsettledError as error:
+                if error.run is None or error.run.state != "queued":
+                    raise
+                # queued behind a run another chat window (or worker) executes: that process answers it
+                # when its run ends; show the answer from the store once it is there
+                self.note("[dim]  ↳ queued behind an answer another window is giving; it answers this too[/]")
+                result = await self._stored_result(error.run.id)
+                self.note(f"[bold magenta]assistant[/] {escape(text_of(result.assistant) if result.assistant else '')}")
         except ThreadlineError as error:
             self.note(f"[red]error:[/] {escape(' '.join(str(error).split()))}")
             return
@@ -184,6 +193,17 @@ class ChatSession:
         if cause and result.terminal_reason not in ("success", "interrupted", "superseded", "shutdown"):
             self.note(f"  [red]cause:[/] {escape(cause)}")
         self.note(f"[dim]  usage: {escape(usage_text(result.usage))}[/]")
+
+    async def _stored_result(self, run_id: str) -> Any:
+        """The result of a run another process executes, read from the store until it ended."""
+        assert self.runtime is not None
+        delay = 0.05
+        while True:
+            loaded = await self.runtime.store.load_run(conversation_id=self.conversation_id, run_id=run_id)
+            if loaded is not None and loaded.run.terminal:
+                return self.runtime.result_from(loaded.run, loaded.assistant)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def send(self, text: str) -> None:
         assert self.runtime is not None

@@ -173,7 +173,13 @@ def build_runtime(
 ) -> AgentRuntime:
     """A runtime over ``store`` with one model (a pydantic-ai ``Model`` or name) and ``tools``."""
     registry = define_model_registry(models={model_name: {"model": model, "context_window": None}})
-    runs: dict[str, Any] = {"input_policy": policy, "coalesce_pending": coalesce_pending}
+    # every CLI input carries the same context, so a run another process admitted (a second chat window
+    # on the conversation, a `threadline worker`) can be executed here when it queues behind our run
+    runs: dict[str, Any] = {
+        "input_policy": policy,
+        "coalesce_pending": coalesce_pending,
+        "resolve_context": lambda _run: CliContext(),
+    }
     if owner_id is not None:
         runs["owner_id"] = owner_id
     if lease_duration is not None:

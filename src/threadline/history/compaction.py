@@ -7,10 +7,15 @@ the part that needs the store: writing the summary back under the snapshot's ver
 The units (``turn``, ``seed``, ``summary``, ``lead``, ``system``) and what makes a turn incomplete are
 defined in :mod:`threadline.history.selection`. Here an incomplete turn is a **barrier**: nothing at or
 after it is compactable, because half a turn hands the provider a call with no result, an approval
-with no answer, or an input with no reply; a superseded turn is never summarised (its discarded text
-would reach the summariser); a failed turn is a barrier unless the evidence policy opts failed
-assistants in (``AgentHistoryEvidencePolicy(failed_assistant='assistant-marked')``) — then the
+with no answer, or an input with no reply; a failed turn is a barrier unless the evidence policy opts
+failed assistants in (``AgentHistoryEvidencePolicy(failed_assistant='assistant-marked')``) — then the
 summariser must say the turn failed.
+
+A superseded turn is never summarised and never counted, but it is no barrier: its answer was never
+spoken, so it is neither handed to the summariser nor replaced (the record is kept, excluded from the
+projection), and the input it would have answered goes with the turn that did answer it. The replaced
+range is then contiguous in active settled history but for those superseded records, which stay where
+they are, before the summary.
 
 The summary replaces, it never stacks: a leading summary (the first history message after the ``lead``
 band) is handed to ``summarize`` as the previous summary and is part of the replaced range. Stored
@@ -58,10 +63,12 @@ class AgentCompactionBarrier:
 
 @dataclass(frozen=True)
 class AgentCompactableHistory:
-    """``leading_summary`` + ``compactable`` + ``retained`` is a partition of the input, each in input
-    order. ``compactable`` is contiguous and directly follows ``leading_summary`` (or the lead band);
-    ``retained`` is everything else: its first ``prefix`` messages (the ``lead`` band) come before them,
-    so ``ordered()`` is the input again."""
+    """``leading_summary`` + ``compactable`` + ``superseded`` + ``retained`` is a partition of the input,
+    each in input order. ``compactable`` directly follows ``leading_summary`` (or the lead band) and is
+    contiguous but for ``superseded``: the superseded answers that sit among it, which are never
+    summarised and never replaced. ``retained`` is everything else: its first ``prefix`` messages (the
+    ``lead`` band, and superseded answers an earlier compaction left) come before them, so ``ordered()``
+    is the input again."""
 
     leading_summary: Message | None
     compactable: tuple[Message, ...]
@@ -69,9 +76,14 @@ class AgentCompactableHistory:
     barrier: AgentCompactionBarrier | None = None
     """Set when an incomplete turn, not ``keep_recent_turns``, ended the compactable prefix."""
     turns: int = 0
-    """How many turns (``turn`` and ``seed`` units) ``compactable`` holds."""
+    """How many answered turns (``turn`` and ``seed`` units) ``compactable`` holds."""
     prefix: int = 0
-    """How many ``retained`` messages (the ``lead`` band, ``system``) come before the leading summary."""
+    """How many ``retained`` messages (the ``lead`` band, ``system``, superseded answers an earlier
+    compaction left) come before the leading summary."""
+    superseded: tuple[Message, ...] = ()
+    """Superseded answers inside the compacted span. Each record is kept as it is (active, excluded from
+    the projection): never handed to the summariser, never in ``replaced_message_ids``. The input it
+    would have answered is compacted with the turn that did answer it."""
 
     @property
     def replaced_message_ids(self) -> tuple[str, ...]:
@@ -80,19 +92,55 @@ class AgentCompactableHistory:
         return (*lead, *(m.id for m in self.compactable))
 
     def with_summary(self, summary: Message) -> list[Message]:
-        """The history after replacement: ``summary`` in place of the leading summary and the
-        compactable range, the retained messages around it in order."""
-        return [*self.retained[: self.prefix], summary, *self.retained[self.prefix :]]
+        """The history after replacement, as the store orders it: the retained prefix, the superseded
+        answers of the span, ``summary`` (at the place of the last message it replaced), the rest."""
+        return [*self.retained[: self.prefix], *self.superseded, summary, *self.retained[self.prefix :]]
 
     def ordered(self) -> list[Message]:
-        """The input again: ``retained[:prefix]``, the leading summary, ``compactable``, the rest."""
+        """The input again: ``retained[:prefix]``, the leading summary, the span, the rest."""
         lead = [self.leading_summary] if self.leading_summary is not None else []
-        return [*self.retained[: self.prefix], *lead, *self.compactable, *self.retained[self.prefix :]]
+        span = self.compactable
+        if self.superseded:  # every message of the span is settled: its causal order is its sort key
+            span = tuple(sorted((*self.compactable, *self.superseded), key=lambda m: m.sort_key))
+        return [*self.retained[: self.prefix], *lead, *span, *self.retained[self.prefix :]]
 
 
 def _check_keep(keep_recent_turns: int) -> None:
     if isinstance(keep_recent_turns, bool) or not isinstance(keep_recent_turns, int) or keep_recent_turns < 0:
         raise AgentRuntimeUsageError(f"keep_recent_turns is a non-negative integer, got {keep_recent_turns!r}")
+
+
+def _passable(unit: AgentHistoryTurn) -> bool:
+    """A turn whose only defect is a superseded answer: never summarised, but not a barrier either."""
+    return unit.is_turn and bool(unit.problems) and all(p == "superseded" for p in unit.problems)
+
+
+def _spoken(message: Message) -> bool:
+    return not (message.role == "assistant" and message.status == "superseded")
+
+
+def _answered(unit: AgentHistoryTurn) -> bool:
+    """A complete turn, or a passable one that still holds an answer that was spoken."""
+    if unit.complete:
+        return True
+    return _passable(unit) and any(m.role == "assistant" and _spoken(m) for m in unit.messages)
+
+
+def _leftover(unit: AgentHistoryTurn) -> bool:
+    """Superseded answers alone: what an earlier compaction left of a superseded turn."""
+    return _passable(unit) and not any(_spoken(m) for m in unit.messages)
+
+
+def _answered_by_then(units: Sequence[AgentHistoryTurn], start: int, end: int) -> int:
+    """``end``, or earlier: the input of a superseded turn is compacted only with a later turn that
+    answered it, so the range stops before one that no answered turn in it follows."""
+    waiting: int | None = None
+    for n in range(start, end):
+        if _answered(units[n]):
+            waiting = None
+        elif _passable(units[n]) and waiting is None:
+            waiting = n
+    return end if waiting is None else waiting
 
 
 def select_compactable_history(
@@ -109,11 +157,15 @@ def select_compactable_history(
     to the first barrier — an incomplete turn (see :mod:`threadline.history.selection`), or a ``lead`` /
     ``system`` message out of place — and never into the ``keep_recent_turns`` most recent complete
     turns (counted over the whole history). With fewer complete turns than that, nothing is compactable.
+
+    A superseded turn is neither a barrier nor counted: the scan goes past it. Its answer stays where it
+    is (``superseded``) and its input goes with the turn after it, which answered it — so a superseded
+    turn at the end of the range stays, with its input, until the turn after it is compactable too.
     """
     _check_keep(keep_recent_turns)
     units = split_agent_history_turns(messages, evidence_policy=evidence_policy)
     start = 0
-    while start < len(units) and units[start].kind in ("lead", "system"):
+    while start < len(units) and (units[start].kind in ("lead", "system") or _leftover(units[start])):
         start += 1
     leading: AgentHistoryTurn | None = None
     if start < len(units) and units[start].kind == "summary":
@@ -127,33 +179,34 @@ def select_compactable_history(
         if unit.kind in ("lead", "system"):
             barrier = AgentCompactionBarrier(unit.messages[0].id, f"{unit.kind}-out-of-place")
             break
-        if unit.is_turn and unit.problem is not None:
+        if unit.is_turn and unit.problem is not None and not _passable(unit):
             barrier = AgentCompactionBarrier(unit.messages[0].id, unit.problem)
             break
         stop += 1
 
-    complete = [n for n, u in enumerate(units) if u.complete]
+    answered = [n for n, u in enumerate(units) if _answered(u)]
     if keep_recent_turns == 0:
         cutoff = len(units)
-    elif len(complete) >= keep_recent_turns:
-        cutoff = complete[-keep_recent_turns]
+    elif len(answered) >= keep_recent_turns:
+        cutoff = answered[-keep_recent_turns]
     else:
         cutoff = 0
     if barrier is not None and cutoff <= stop:
         barrier = None  # the recent turns ended the prefix first
-    end = max(start, min(stop, cutoff))
+    end = _answered_by_then(units, start, max(start, min(stop, cutoff)))
 
     chosen = units[start:end]
-    compactable = tuple(m for u in chosen for m in u.messages)
+    span = [m for u in chosen for m in u.messages]
     before = [m for u in units[: start - (1 if leading is not None else 0)] for m in u.messages]
     after = [m for u in units[end:] for m in u.messages]
     return AgentCompactableHistory(
         leading_summary=leading.messages[0] if leading is not None else None,
-        compactable=compactable,
+        compactable=tuple(m for m in span if _spoken(m)),
         retained=(*before, *after),
         barrier=barrier,
-        turns=sum(1 for u in chosen if u.is_turn),
+        turns=sum(1 for u in chosen if _answered(u)),
         prefix=len(before),
+        superseded=tuple(m for m in span if not _spoken(m)),
     )
 
 
@@ -207,7 +260,8 @@ async def structured_compaction(
     Each attempt loads the snapshot, selects with :func:`select_compactable_history`, calls
     ``summarize(eligible_messages, previous_summary)`` outside any store transaction (it may be a slow
     model call), then ``store.replace_compacted_range`` at the snapshot's exact version with the leading
-    summary (if any) and the compactable messages as the replaced range. A ``conflict`` (anything was
+    summary (if any) and the compactable messages as the replaced range (superseded answers among them
+    are neither summarised nor replaced). A ``conflict`` (anything was
     written to the conversation meanwhile, such as a new input) starts a new attempt that reloads,
     reselects and re-summarises: a stale summary is never applied. At most ``max_attempts`` attempts.
 

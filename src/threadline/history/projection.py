@@ -14,12 +14,19 @@ What is never sent to a model as a message:
   assistants unless the evidence policy asks for them, clearly marked;
 - source, provider, approval and control parts, files an assistant produced, and reasoning produced by
   a provider other than ``options.provider_name``;
+- provider metadata (the ``envelope`` of a text, tool-call or reasoning part: item ids, signatures,
+  Gemini thought signatures) to any provider but the one that produced it; that one gets it back on the
+  part, as pydantic-ai's own parser had set it;
 - a file reference itself: only what ``resolve_file`` returns, or a ``[file: name]`` placeholder;
-- tool calls nobody answered, results without a call, and repeated call ids;
+- tool calls nobody answered, results without a call (or naming another tool than their call), and
+  repeated call ids; an assistant left with nothing but such calls is omitted (``incomplete-tool-turn``,
+  or ``awaiting-approval`` for a call suspended on an approval), whatever ``interrupted_assistant`` says;
 - a tool call awaiting approval (the run that carries the approval records it again with its result);
 - ``tool`` role messages (approval responses; not projected yet).
 
-Every message gets one :class:`AgentProjectionDecision` saying what happened to it and why.
+Every message gets one :class:`AgentProjectionDecision` saying what happened to it and why, with the
+part types it holds that did not reach the provider (``tool-call`` / ``tool-result`` when a pairing was
+dropped).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from pydantic_ai.messages import (
 )
 
 from ..errors import AgentRecordValidationError, ThreadlineError
-from ..records import FilePart, Message, ReasoningPart, ToolCallPart, ToolResultPart
+from ..records import FilePart, Message, ProviderEnvelope, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
 
 __all__ = (
     "FAILED_MARKER",
@@ -88,7 +95,8 @@ class AgentHistoryProjectionOptions(_Options):
     resolve_file: Callable[[FilePart], UserContent | None] | None = None
     """Turns a file reference into content a model can read; ``None`` from it means unresolved."""
     provider_name: str | None = None
-    """Reasoning (and tool-call envelopes) is sent back only to the provider that produced it."""
+    """The provider being called: reasoning and the envelopes of text and tool calls go back only to the
+    provider that produced them (``ProviderEnvelope.provider``); None sends no provider metadata."""
 
 
 _NOT_GIVEN: Any = object()
@@ -319,18 +327,22 @@ class _Projector:
         if status == "interrupted" and opts.interrupted_assistant == "omit":
             return self._decide(m, "omitted", "interrupted-omitted")
         if status == "interrupted" and opts.interrupted_assistant == "system-note":
-            text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
-            self.system.append(f"[interrupted] partial response: {text}")
-            return self._decide(m, "projected", "interrupted-system-note")
+            return self._system_note(m)
         if not self.has_request:
             self._decide(m, "omitted", "leading-assistant")
             for uid in sorted(joined, key=lambda i: self.live[i].seq):
                 self._user(self.live[uid], detail=f"joined the omitted leading assistant {m.id}")
             return None
 
-        steps, omitted, problems = self._steps(m, joined)
+        steps, omitted, problems, dangling = self._steps(m, joined)
         if problems and opts.incomplete_tool_turn == "error":
             raise AgentHistoryProjectionError(f"assistant {m.id!r}: {'; '.join(problems)}", message_id=m.id)
+        detail = "; ".join(problems) or None
+        if status != "failed" and "tool-call" in omitted and not any(s.response or s.returns or s.users for s in steps):
+            # nothing but calls that cannot be sent: the model would read it as an answer to nothing (a
+            # failed run opted in as evidence still says that it failed)
+            reason = "incomplete-tool-turn" if dangling else "awaiting-approval"
+            return self._decide(m, "omitted", reason, omitted, detail=detail)
         marker = _STATUS_MARKER.get(status)
         if marker:
             last = steps[-1]
@@ -350,13 +362,28 @@ class _Projector:
         if not projected_any:
             return self._decide(m, "omitted", "empty", omitted)
         reason = "unmatched-tool-chronology" if problems else _PROJECTED_REASON[status]
-        return self._decide(m, "projected", reason, omitted, detail="; ".join(problems) or None)
+        return self._decide(m, "projected", reason, omitted, detail=detail)
 
-    def _steps(self, m: Message, joined: set[str]) -> tuple[list[_Step], list[str], list[str]]:
-        """Split a run's parts into steps, pairing calls with results; drop what cannot be paired."""
+    def _system_note(self, m: Message) -> None:
+        """An interrupted turn as a system line: its text only (every other part is listed as omitted)."""
+        text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
+        omitted: list[str] = []
+        for part in m.parts:
+            if part.type not in ("text", "control", "input-joined"):
+                _note(omitted, part.type)
+        if not text and "tool-call" in omitted:
+            return self._decide(m, "omitted", "incomplete-tool-turn", omitted, detail="no text, only tool calls")
+        self.system.append(f"[interrupted] partial response: {text}")
+        return self._decide(m, "projected", "interrupted-system-note", omitted)
+
+    def _steps(self, m: Message, joined: set[str]) -> tuple[list[_Step], list[str], list[str], bool]:
+        """Split a run's parts into steps, pairing calls with results; drop what cannot be paired, listing
+        ``tool-call`` / ``tool-result`` as omitted. The flag: a call was dropped for want of its result (a
+        call awaiting approval is suspended, not dangling)."""
         steps = [_Step()]
         omitted: list[str] = []
         problems: list[str] = []
+        dangling = False
         # a call that asked for approval is suspended, not dangling: it is not sent here; the run that
         # carries the approval response records the call again with its result (or the denial)
         answered = {p.call_id for p in m.parts if p.type == "tool-result"}
@@ -364,12 +391,14 @@ class _Projector:
         for part in m.parts:
             step = steps[-1]
             if part.type == "tool-call" and part.call_id in awaiting:
+                _note(omitted, "tool-call")
                 continue
             if part.type in ("text", "reasoning", "tool-call") and step.closed:
                 steps.append(step := _Step())
             if part.type == "text":
-                if part.text:
-                    step.response.append(AiTextPart(part.text))
+                text = self._text(part)
+                if text is not None:
+                    step.response.append(text)
             elif part.type == "reasoning":
                 thinking = self._thinking(part)
                 if thinking is None:
@@ -379,15 +408,20 @@ class _Projector:
             elif part.type == "tool-call":
                 if part.call_id in self.call_ids:
                     problems.append(f"dropped duplicate call id {part.call_id!r}")
+                    _note(omitted, "tool-call")
+                    dangling = True
                     continue
                 self.call_ids.add(part.call_id)
                 step.pending[part.call_id] = part.tool_name
                 step.response.append(self._call(part))
             elif part.type == "tool-result":
                 step.closed = True
-                if step.pending.pop(part.call_id, None) is None:
-                    problems.append(f"dropped result {part.call_id!r} that answers no call of its step")
+                problem = _unmatched(step.pending, part)
+                if problem is not None:
+                    problems.append(problem)
+                    _note(omitted, "tool-result")
                     continue
+                del step.pending[part.call_id]
                 step.returns.append(_return(part))
             elif part.type == "input-joined":
                 ids = [i for i in part.message_ids if i in joined and not any(i in s.users for s in steps)]
@@ -401,36 +435,63 @@ class _Projector:
                 continue
             if m.status == "completed":  # interrupted / failed evidence was cut off: dangling calls are expected
                 problems.append(f"dropped unanswered call(s) {sorted(step.pending)}")
+            _note(omitted, "tool-call")
+            dangling = True
             step.response = [
                 p for p in step.response if not (isinstance(p, AiToolCallPart) and p.tool_call_id in step.pending)
             ]
-        return steps, omitted, problems
+        return steps, omitted, problems, dangling
 
-    def _thinking(self, part: ReasoningPart) -> ThinkingPart | None:
-        envelope = part.envelope
+    def _own(self, envelope: ProviderEnvelope | None) -> dict[str, Any] | None:
+        """The envelope's data when the provider being called produced it; None for any other provider."""
         if envelope is None or self.opts.provider_name is None or envelope.provider != self.opts.provider_name:
             return None
-        data = envelope.data if isinstance(envelope.data, dict) else {}
+        return envelope.data if isinstance(envelope.data, dict) else {}
+
+    def _text(self, part: TextPart) -> AiTextPart | None:
+        data = self._own(part.envelope)
+        if data is None:
+            return AiTextPart(part.text) if part.text else None
+        # an empty text part exists only for its metadata (a Gemini thought signature): its provider gets it
+        return AiTextPart(part.text, **_metadata_fields(data, self.opts.provider_name))
+
+    def _thinking(self, part: ReasoningPart) -> ThinkingPart | None:
+        data = self._own(part.envelope)
+        if data is None:
+            return None
         signature = data.get("signature")
         return ThinkingPart(
             part.text,
             signature=signature if isinstance(signature, str) else None,
-            provider_name=envelope.provider,
-            provider_details=data or None,
+            **_metadata_fields(data, self.opts.provider_name),
         )
 
     def _call(self, part: ToolCallPart) -> AiToolCallPart:
         args = part.input if part.input is None or isinstance(part.input, dict) else json.dumps(part.input)
-        envelope = part.envelope
-        own = envelope is not None and envelope.provider == self.opts.provider_name
-        details = envelope.data if own and isinstance(envelope.data, dict) else None
-        return AiToolCallPart(
-            part.tool_name,
-            args,
-            tool_call_id=part.call_id,
-            provider_name=envelope.provider if own else None,
-            provider_details=details,
-        )
+        data = self._own(part.envelope)
+        fields = _metadata_fields(data, self.opts.provider_name) if data is not None else {}
+        return AiToolCallPart(part.tool_name, args, tool_call_id=part.call_id, **fields)
+
+
+def _metadata_fields(data: dict[str, Any], provider: str | None) -> dict[str, Any]:
+    """The pydantic-ai part fields an envelope restores (``threadline.loop.canonical_parts`` wrote them):
+    the provider's item ``id`` and ``provider_details``; anything malformed is left out, never guessed."""
+    item_id, details = data.get("id"), data.get("provider_details")
+    return {
+        "id": item_id if isinstance(item_id, str) else None,
+        "provider_name": provider,
+        "provider_details": details if isinstance(details, dict) and details else None,
+    }
+
+
+def _unmatched(pending: dict[str, str], result: ToolResultPart) -> str | None:
+    """Why ``result`` cannot answer a call of its step, or None when it can."""
+    called = pending.get(result.call_id)
+    if called is None:
+        return f"dropped result {result.call_id!r} that answers no call of its step"
+    if called != result.tool_name:
+        return f"dropped result {result.call_id!r}: it names tool {result.tool_name!r}, its call {called!r}"
+    return None
 
 
 def _return(part: ToolResultPart) -> ToolReturnPart:

@@ -10,11 +10,18 @@ provenance.
 
 ``adapt_instructions`` turns the composed instruction text into whatever a provider needs as system
 content and metadata (stitchkit's ``adaptInstructions``). Its result is kept in ``AgentPrompt.adapted``;
-the text stays in ``AgentPrompt.instructions``. For pydantic-ai it can return the ``InstructionPart``
-list for ``ModelRequestParameters.instruction_parts``, e.g.
-``lambda text: [InstructionPart(content=text)]``; :meth:`AgentPrompt.instruction_parts` gives the
-per-contribution split (``dynamic`` contributions marked ``dynamic=True`` so a provider can cache the
-stable prefix).
+the text stays in ``AgentPrompt.instructions``. For pydantic-ai it returns what goes into
+``ModelRequestParameters.instruction_parts``: an ``InstructionPart``, a text, a mapping of
+``InstructionPart`` fields (``{"role": "system", "content": ...}`` is the stitchkit shape), or a list of
+those, e.g. ``lambda text: [InstructionPart(content=text)]``. Without it,
+:meth:`AgentPrompt.instruction_parts` gives the per-contribution split (``dynamic`` contributions marked
+``dynamic=True`` so a provider can cache the stable prefix).
+
+What a request sends (:func:`agent_instructions`, :func:`with_history_system`,
+:func:`request_instruction_parts`): those parts, in order, then one part with the history's system
+channel (summaries, ``system`` messages, interrupted notes). :class:`AgentInstructions` is that
+request's instruction *text* (``StepContext.instructions``, a ``str``) carrying the parts along; text a
+``prepare_step`` puts in its place is sent as it is, as one part.
 
 The budget (:func:`decide_prompt_budget`, :meth:`AgentPrompt.decide_budget`) is a pre-request decision
 over ``context_window`` minus ``reserved_output``, instructions, tool schemas, attachments and provider
@@ -33,6 +40,7 @@ from typing import Any, Literal
 from ..errors import AgentRuntimeUsageError
 
 __all__ = (
+    "AgentInstructions",
     "AgentPrompt",
     "AgentPromptBudget",
     "AgentPromptContribution",
@@ -41,10 +49,13 @@ __all__ = (
     "RenderedContribution",
     "Stability",
     "TokenProvenance",
+    "agent_instructions",
     "compose_agent_prompt",
     "decide_prompt_budget",
     "estimate_tokens",
     "estimate_tool_schema_tokens",
+    "request_instruction_parts",
+    "with_history_system",
 )
 
 Stability = Literal["stable", "session", "dynamic"]
@@ -119,6 +130,14 @@ class AgentPrompt:
 
         return [InstructionPart(content=c.text, dynamic=c.stability == "dynamic") for c in self.contributions]
 
+    def request_parts(self) -> list[Any]:
+        """What a request sends for this prompt: what ``adapt_instructions`` returned, as
+        ``InstructionPart`` s, else :meth:`instruction_parts`. A hook's result of another shape is refused
+        (:class:`~threadline.errors.AgentRuntimeUsageError`)."""
+        if self.adapted is None:
+            return self.instruction_parts()
+        return _adapted_parts(self.adapted)
+
     def decide_budget(
         self,
         *,
@@ -141,6 +160,94 @@ class AgentPrompt:
             history_tokens=history_tokens,
             removable_history_tokens=removable_history_tokens,
         )
+
+
+_INSTRUCTION_FIELDS = frozenset({"content", "dynamic", "on_change", "name"})
+
+
+def _adapted_part(value: Any, where: str) -> Any:
+    from pydantic_ai.messages import InstructionPart
+
+    if isinstance(value, InstructionPart):
+        return value
+    if isinstance(value, str):
+        return InstructionPart(content=value)
+    if isinstance(value, Mapping):
+        fields = dict(value)
+        if fields.get("role", "system") != "system":
+            raise AgentRuntimeUsageError(f"{where} has role {fields['role']!r}; instructions are 'system' content")
+        fields.pop("role", None)
+        unknown = sorted(set(fields) - _INSTRUCTION_FIELDS)
+        if unknown or not isinstance(fields.get("content"), str):
+            raise AgentRuntimeUsageError(
+                f"{where} has keys {sorted(value)}: an InstructionPart takes a str 'content' and optionally "
+                f"{sorted(_INSTRUCTION_FIELDS - {'content'})} (provider options such as cache control belong "
+                "in the model's settings)"
+            )
+        return InstructionPart(**fields)
+    raise AgentRuntimeUsageError(
+        f"{where} is a {type(value).__name__}; return an InstructionPart, a str, a mapping of InstructionPart "
+        "fields, or a list of those"
+    )
+
+
+def _adapted_parts(adapted: Any) -> list[Any]:
+    if isinstance(adapted, list | tuple):
+        return [_adapted_part(v, f"adapt_instructions(...)[{i}]") for i, v in enumerate(adapted)]
+    return [_adapted_part(adapted, "adapt_instructions(...)")]
+
+
+class AgentInstructions(str):
+    """A request's instruction text that carries the ``InstructionPart`` s it is sent as.
+
+    It is a ``str`` (``StepContext.instructions``), so a ``prepare_step`` reads and edits it as text; any
+    edit makes a plain ``str``, and :func:`request_instruction_parts` then sends that text as one part.
+    """
+
+    parts: tuple[Any, ...]
+
+    def __new__(cls, text: str, parts: Sequence[Any]) -> AgentInstructions:
+        self = super().__new__(cls, text)
+        self.parts = tuple(parts)
+        return self
+
+
+def agent_instructions(prompt: AgentPrompt | str | None) -> AgentInstructions:
+    """A prompt's instructions as a request sends them: an :class:`AgentPrompt` gives its text and
+    :meth:`AgentPrompt.request_parts`; text is one (non-dynamic) part; None is nothing."""
+    from pydantic_ai.messages import InstructionPart
+
+    if isinstance(prompt, AgentPrompt):
+        return AgentInstructions(prompt.instructions, [p for p in prompt.request_parts() if p.content])
+    if prompt is None or isinstance(prompt, str):
+        if isinstance(prompt, AgentInstructions):
+            return prompt
+        text = (prompt or "").strip()
+        return AgentInstructions(text, [InstructionPart(content=text)] if text else [])
+    raise AgentRuntimeUsageError(f"prompt returns instructions text or an AgentPrompt, not {type(prompt).__name__}")
+
+
+def with_history_system(instructions: str, system: Sequence[str]) -> AgentInstructions:
+    """``instructions`` followed by the history's system channel (``AgentHistoryProjection.system``): the
+    text joined by blank lines, and the system lines as one more part of their own (conversation-scoped,
+    so not ``dynamic``: they belong to the cacheable prefix until the next compaction changes them)."""
+    from pydantic_ai.messages import InstructionPart
+
+    base = instructions if isinstance(instructions, AgentInstructions) else agent_instructions(instructions)
+    text = "\n\n".join([instructions, *system]).strip()
+    if not system:
+        return base if text == base else AgentInstructions(text, base.parts)
+    return AgentInstructions(text, [*base.parts, InstructionPart(content="\n\n".join(system))])
+
+
+def request_instruction_parts(instructions: str) -> list[Any] | None:
+    """``ModelRequestParameters.instruction_parts`` for a step: the parts :class:`AgentInstructions`
+    carries, or the text (one part) that ``prepare_step`` put in its place; None for nothing."""
+    from pydantic_ai.messages import InstructionPart
+
+    if isinstance(instructions, AgentInstructions):
+        return list(instructions.parts) or None
+    return [InstructionPart(content=instructions)] if instructions else None
 
 
 def _count(name: str, value: int | None) -> int | None:

@@ -31,7 +31,8 @@ A ``turn`` or ``seed`` unit is *complete* when ``problem`` is None. Otherwise ``
   with ``AgentHistoryEvidencePolicy(failed_assistant='assistant-marked')`` a failed turn is complete;
 - ``dangling-tool-call``: a tool call with no result in its step (also in an interrupted or failed
   assistant: a call whose result never arrived);
-- ``invalid-tool-chronology``: a result that answers no call of its step, or a repeated call id;
+- ``invalid-tool-chronology``: a result that answers no call of its step (or names another tool than its
+  call), or a repeated call id;
 - ``unresolved-approval``: an approval request no settled ``tool`` message answers with an approval
   response. A response whose run has not settled yet does not count: that run still reads the signed
   request from history before it executes the call. Once it has settled (it recorded the call again,
@@ -148,7 +149,7 @@ def _tool_chronology(assistant: Message) -> TurnProblem | None:
     """Mirror of the projection's step pairing: a call is answered in its own step, once. A call that
     asked for approval (and has no result here) is suspended, not dangling: the run that carries the
     approval response records it again with its result."""
-    pending: set[str] = set()
+    pending: dict[str, str] = {}
     seen: set[str] = set()
     closed = False
     answered = {p.call_id for p in assistant.parts if p.type == "tool-result"}
@@ -164,12 +165,12 @@ def _tool_chronology(assistant: Message) -> TurnProblem | None:
             if part.call_id in seen:
                 return "invalid-tool-chronology"
             seen.add(part.call_id)
-            pending.add(part.call_id)
+            pending[part.call_id] = part.tool_name
         elif part.type == "tool-result":
             closed = True
-            if part.call_id not in pending:
+            if pending.get(part.call_id) != part.tool_name:  # no call of its step, or another tool's call
                 return "invalid-tool-chronology"
-            pending.discard(part.call_id)
+            del pending[part.call_id]
         elif part.type == "input-joined" and assistant.status == "completed":
             closed = True
     return "dangling-tool-call" if pending else None

@@ -101,6 +101,10 @@ class ConversationView:
     def settled(self) -> Sequence[Message]:
         return self._settled
 
+    def message(self, message_id: str) -> Message | None:
+        """The active message with this id, if the view holds it."""
+        return self._by_id.get(message_id)
+
     @property
     def active_runs(self) -> list[Run]:
         return sorted(self._runs.values(), key=lambda r: r.execution_order_key)

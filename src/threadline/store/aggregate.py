@@ -20,6 +20,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError
 from ..records import ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
+from ..usage import AgentUsage
 from . import reducer
 from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
 from .reducer import AbsorbClaim
@@ -82,6 +83,12 @@ def _parts(value: Sequence[Part | Mapping[str, Any]] | None, field: str) -> tupl
         first = error.errors()[0]
         where = ".".join(str(p) for p in (field, *first["loc"]))
         raise AgentRecordValidationError(f"{where}: {first['msg']}", field=where) from error
+
+
+def _usage(value: object) -> AgentUsage | None:
+    if value is None or type(value) is AgentUsage:
+        return value  # type: ignore[return-value]
+    return _validated(AgentUsage, value, "usage")  # type: ignore[arg-type]
 
 
 def _require_text(value: object, field: str) -> None:
@@ -236,9 +243,11 @@ class AgentRuntimeStore:
         fencing_token: int,
         parts: Sequence[Part | Mapping[str, Any]],
         operation: RunOperation | Mapping[str, Any] | None = None,
+        usage: AgentUsage | None = None,
     ) -> RunResult:
         """Write the streaming assistant draft of an owned run; with ``operation``, record its
-        ``last_operation`` phase in the same transaction (one commit for both)."""
+        ``last_operation`` phase in the same transaction (one commit for both), and with ``usage`` the run's
+        cumulative spend (:attr:`threadline.records.Run.usage`)."""
         op = functools.partial(
             reducer.checkpoint_run_assistant,
             conversation_id=conversation_id,
@@ -248,6 +257,7 @@ class AgentRuntimeStore:
             fencing_token=fencing_token,
             parts=_parts(parts, "parts") or (),
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
+            usage=_usage(usage),
             now=self._clock(),
         )
         return await self._run("checkpoint_run_assistant", op, "write")
@@ -261,8 +271,10 @@ class AgentRuntimeStore:
         owner_id: str,
         fencing_token: int,
         operation: RunOperation | Mapping[str, Any],
+        usage: AgentUsage | None = None,
     ) -> RunResult:
-        """Durably record the run's ``last_operation`` phase (before the provider is called)."""
+        """Durably record the run's ``last_operation`` phase (before the provider is called); with ``usage``,
+        the run's cumulative spend in the same commit."""
         op = functools.partial(
             reducer.record_run_operation,
             conversation_id=conversation_id,
@@ -271,6 +283,7 @@ class AgentRuntimeStore:
             owner_id=owner_id,
             fencing_token=fencing_token,
             operation=_validated(RunOperation, operation, "operation"),
+            usage=_usage(usage),
             now=self._clock(),
         )
         return await self._run("record_run_operation", op, "write")
@@ -324,9 +337,11 @@ class AgentRuntimeStore:
         policy_name: str | None = None,
         absorb: Sequence[AbsorbClaim | Mapping[str, Any]] = (),
         operation: RunOperation | Mapping[str, Any] | None = None,
+        usage: AgentUsage | None = None,
     ) -> TerminalResult:
         """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
-        ``operation``, its ``last_operation`` phase is recorded in the same commit."""
+        ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
+        cumulative spend."""
         try:
             claims = _CLAIMS.validate_python(list(absorb))
         except ValidationError as error:
@@ -343,6 +358,7 @@ class AgentRuntimeStore:
             policy_name=policy_name,
             absorb=claims,
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
+            usage=_usage(usage),
             now=self._clock(),
         )
         return await self._run("commit_run_terminal", op, "write")

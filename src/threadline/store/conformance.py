@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,8 @@ from ..errors import (
     AgentRunStateConflictError,
     AgentStoreConflictError,
 )
-from ..records import PARTS_ADAPTER, ConversationSnapshot, Message, Run
+from ..records import PARTS_ADAPTER, ConversationSnapshot, Message, Run, validate_parts
+from ..usage import AgentUsage, UsageFigure
 from .aggregate import AgentRuntimeStore, purge_agent_conversation
 from .reducer import AbsorbClaim, order_recoverable
 from .results import AcceptResult, TerminalResult
@@ -102,14 +104,22 @@ def _case(name: str) -> Callable[[C], C]:
 
 @dataclass(frozen=True)
 class ConformanceFailure:
-    """One failed case: its name, the exception it raised and the formatted traceback."""
+    """One failed case: its name, the exception it raised and the formatted traceback. When the store's
+    clean-up (leaving the factory's context) failed too, ``error`` is still the case's own failure and
+    ``cleanup_error`` / ``cleanup_traceback`` hold the clean-up's; a case that passed but whose clean-up
+    failed reports the clean-up error as ``error``."""
 
     name: str
     error: BaseException
     traceback: str
+    cleanup_error: BaseException | None = None
+    cleanup_traceback: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.name}: {type(self.error).__name__}: {self.error}"
+        text = f"{self.name}: {type(self.error).__name__}: {self.error}"
+        if self.cleanup_error is not None:
+            text += f" (and the clean-up failed: {type(self.cleanup_error).__name__}: {self.cleanup_error})"
+        return text
 
 
 @dataclass
@@ -138,6 +148,8 @@ class ConformanceReport:
         parts = [self.summary()]
         for failure in self.failures:
             parts.append(f"\n---- {failure.name} ----\n{failure.traceback}")
+            if failure.cleanup_traceback is not None:
+                parts.append(f"---- {failure.name}: clean-up ----\n{failure.cleanup_traceback}")
         return "\n".join(parts)
 
 
@@ -164,16 +176,36 @@ async def run_agent_store_conformance(factory: StoreFactory, *, only: Iterable[s
         raise ValueError(f"unknown conformance cases {unknown}; known: {sorted(CONFORMANCE_CASES)}")
     report = ConformanceReport()
     for name in names:
-        try:
-            async with factory() as store:
-                await CONFORMANCE_CASES[name](store)
-        except Exception as error:
-            report.failures.append(ConformanceFailure(name, error, traceback.format_exc()))
-        else:
+        failure = await _run_case(name, factory)
+        if failure is None:
             report.passed.append(name)
+        else:
+            report.failures.append(failure)
     if report.failures:
         raise AgentStoreConformanceError(report)
     return report
+
+
+async def _run_case(name: str, factory: StoreFactory) -> ConformanceFailure | None:
+    """One case on a fresh store. The case's own failure is what the report names first: a clean-up that
+    fails after it is attached, never in its place (``async with`` would report the clean-up instead)."""
+    try:
+        manager = factory()
+        store = await manager.__aenter__()
+    except Exception as error:
+        return ConformanceFailure(name, error, traceback.format_exc())
+    failure: ConformanceFailure | None = None
+    try:
+        await CONFORMANCE_CASES[name](store)
+    except Exception as error:
+        failure = ConformanceFailure(name, error, traceback.format_exc())
+    try:
+        await manager.__aexit__(None, None, None)
+    except Exception as error:
+        if failure is None:
+            return ConformanceFailure(name, error, traceback.format_exc())
+        failure = dataclasses.replace(failure, cleanup_error=error, cleanup_traceback=traceback.format_exc())
+    return failure
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -901,6 +933,7 @@ async def case_absorption(store: AgentRuntimeStore) -> None:
     res = await c.finish(a, text="answer for a and b", absorb=[claim])
     _equal(res.outcome, "committed", "absorbing terminal")
     _equal(res.run.absorbed_run_ids, (b.id,), "absorbed_run_ids")
+    _equal(res.run.input_message_ids, (c.inp("a"), c.inp("b")), "the absorber lists the inputs it answered")
     _equal(res.absorption_cancelled, (), "no claim cancelled")
     _equal([r.id for r in res.absorbed_runs], [b.id], "absorbed runs")
     absorbed = await c.load(b.id)
@@ -2022,7 +2055,11 @@ async def case_acquire_with_admission(store: AgentRuntimeStore) -> None:
         operation={**operation, "operation_id": "op-again"},
     )
     assert again.assistant is not None and again.run.last_operation is not None
-    _equal((again.assistant.parts, again.assistant.seq), ((), draft.seq), "a re-acquisition empties the draft")
+    _equal(
+        (again.assistant.parts, again.assistant.seq, again.assistant.status),
+        (tuple(validate_parts(_text("partial"))), draft.seq, "streaming"),
+        "a re-acquisition keeps the draft its earlier execution checkpointed (the loop resumes from it)",
+    )
     _equal(again.run.last_operation.operation_id, "op-again", "and records its own operation")
     plain = (await c.admit("b")).run
     done = await c.finish(again.run, text="answer")
@@ -2171,3 +2208,84 @@ async def case_records_round_trip(store: AgentRuntimeStore) -> None:
     _equal(len(listed.items), 1, "one conversation")
     head = listed.items[0]
     _equal((head.conversation_id, head.version), (c.cid, done.version), "the stored head")
+
+
+@_case("assistant_id_collisions")
+async def case_assistant_id_collisions(store: AgentRuntimeStore) -> None:
+    """An id a queued or running run will write its answer under is taken: an input (also one that would
+    coalesce) or a compaction summary using it is refused with nothing written."""
+    c = _Conv(store, "conv-ids")
+    await c.turn("z")  # settled history to compact
+    running = await c.acquire((await c.admit("a")).run)
+    queued = (await c.admit("b")).run
+    for run in (running, queued):
+        for coalesce in (False, True):
+            await _refused(
+                store,
+                c.cid,
+                AgentIdempotencyConflictError,
+                f"an input whose id is the answer id of {run.state} run {run.id}",
+                store.accept_input_and_assign_run,
+                conversation_id=c.cid,
+                idempotency_key=f"collide-{run.id}-{coalesce}",
+                input={"id": run.assistant_message_id, "parts": _text("clash")},
+                coalesce=coalesce,
+            )
+        await _refused(
+            store,
+            c.cid,
+            AgentIdempotencyConflictError,
+            f"a summary whose id is the answer id of {run.state} run {run.id}",
+            store.replace_compacted_range,
+            conversation_id=c.cid,
+            expected_version=await c.version(),
+            replaced_message_ids=[c.inp("z"), c.out("z")],
+            summary={"id": run.assistant_message_id, "role": "summary", "parts": _text("summary")},
+        )
+
+
+@_case("causal_run_order")
+async def case_causal_run_order(store: AgentRuntimeStore) -> None:
+    """``load_snapshot().runs`` follows execution, never admission: runs that started by execution
+    sequence, then queued runs in execution order (urgent FIFO before ordinary FIFO)."""
+    c = _Conv(store, "conv-run-order")
+    a = await c.acquire((await c.admit("a")).run)
+    b = (await c.admit("b")).run
+    u1 = (await c.admit("u1", priority="urgent")).run
+    u2 = (await c.admit("u2", priority="urgent")).run
+    _equal([r.id for r in (await c.snapshot()).runs], [a.id, u1.id, u2.id, b.id], "queued: urgent FIFO first")
+    await c.finish(a, text="answer a")
+    for run in (u1, u2, b):
+        await c.finish(await c.acquire(run), text="answer")
+    _equal([r.id for r in (await c.snapshot()).runs], [a.id, u1.id, u2.id, b.id], "ended: in the order they ran")
+
+
+@_case("run_usage")
+async def case_run_usage(store: AgentRuntimeStore) -> None:
+    """A run's cumulative usage is stored with the checkpoint and terminal commits that carry it, and a
+    commit without it keeps what the run holds."""
+    reported = "provider-reported"
+    step = AgentUsage(
+        input_tokens=UsageFigure(value=12, provenance=reported),
+        output_tokens=UsageFigure(value=3, provenance=reported),
+        steps=1,
+    )
+    c = _Conv(store, "conv-usage")
+    run = await c.acquire((await c.admit("a")).run)
+    _equal(run.usage, AgentUsage(), "a new run has spent nothing")
+    cp = await store.checkpoint_run_assistant(
+        conversation_id=c.cid,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=run.owner_id or "",
+        fencing_token=run.fencing_token,
+        parts=_text("draft"),
+        usage=step,
+    )
+    _equal((await c.load(run.id)).usage, step, "the checkpoint stored the usage")
+    later = await c.checkpoint(cp.run, "more draft")
+    _equal(later.usage, step, "a checkpoint without usage keeps it")
+    total = step + step
+    done = await c.finish(later, text="answer", usage=total)
+    _equal(done.run.usage, total, "the terminal stored the total")
+    _equal((await c.load(run.id)).usage, total, "read back")

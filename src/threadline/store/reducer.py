@@ -49,6 +49,7 @@ from ..records import (
     evolve,
     run_invariant_problem,
 )
+from ..usage import AgentUsage
 from .driver import (
     HeadState,
     ListActiveRuns,
@@ -333,6 +334,15 @@ def accept_input_and_assign_run(
         )
     head = state.head or _new_head(conversation_id, now)
     active: list[Run] = yield ListActiveRuns(conversation_id)
+    if input.id not in fresh_ids:
+        # the answer a queued or running run will write has this id: the input would take its place
+        taken = next((r for r in active if r.assistant_message_id == input.id), None)
+        if taken is not None:
+            raise AgentIdempotencyConflictError(
+                f"input message id {input.id!r} is the assistant message id of run {taken.id!r}; choose another "
+                "input id (or omit it and let the store draw one)",
+                conversation_id=conversation_id,
+            )
     target = None
     if coalesce and priority == "ordinary":
         candidates = [
@@ -500,7 +510,9 @@ def _start(
         head = evolve(head, {"execution_seq": execution_sequence})
     drafts: tuple[Message, ...] = ()
     if operation is not None:
-        head, draft = yield from _draft(head, run, (), now, fresh=run.assistant_message_id in fresh_ids)
+        # a run acquired again (requeued after a crash) keeps the draft its earlier execution checkpointed:
+        # the loop resumes from it
+        head, draft = yield from _draft(head, run, None, now, fresh=run.assistant_message_id in fresh_ids)
         drafts = (draft,)
     acquired = _evolve(
         run,
@@ -519,21 +531,23 @@ def _start(
 
 
 def _draft(
-    head: ConversationHead, run: Run, parts: Sequence[Part], now: Timestamp, fresh: bool = False
+    head: ConversationHead, run: Run, parts: Sequence[Part] | None, now: Timestamp, fresh: bool = False
 ) -> Operation[tuple[ConversationHead, Message]]:
-    """The run's streaming assistant draft holding ``parts``, and the head that writes it (bumped; the
-    caller has bumped it already when this is part of a larger change, so only ``message_seq`` moves).
-    ``fresh``: the draft's id was just drawn at random, so no such message can exist yet."""
+    """The run's streaming assistant draft holding ``parts`` (None: the parts it holds already, or none), and
+    the head that writes it (bumped; the caller has bumped it already when this is part of a larger change,
+    so only ``message_seq`` moves). ``fresh``: the draft's id was just drawn at random, so no such message
+    can exist yet."""
     existing: list[Message] = [] if fresh else (yield LoadMessages(run.conversation_id, (run.assistant_message_id,)))
     if existing:
-        return head, evolve(existing[0], {"parts": tuple(parts), "status": "streaming", "version": head.version})
+        kept = existing[0].parts if parts is None else tuple(parts)
+        return head, evolve(existing[0], {"parts": kept, "status": "streaming", "version": head.version})
     head = evolve(head, {"message_seq": head.message_seq + 1})
     draft = Message(
         id=run.assistant_message_id,
         conversation_id=run.conversation_id,
         role="assistant",
         status="streaming",
-        parts=tuple(parts),
+        parts=tuple(parts or ()),
         run_id=run.id,
         created_at=now,
         seq=head.message_seq,
@@ -552,14 +566,17 @@ def checkpoint_run_assistant(
     parts: Sequence[Part],
     now: Timestamp,
     operation: RunOperation | None = None,
+    usage: AgentUsage | None = None,
 ) -> Operation[RunResult]:
-    """Write the run's streaming assistant draft (and, when given, its ``last_operation`` in the same
-    transaction). Verifies owner, fencing token and revision."""
+    """Write the run's streaming assistant draft (and, when given, its ``last_operation`` and cumulative
+    ``usage`` in the same transaction). Verifies owner, fencing token and revision."""
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "checkpoint")
     head, draft = yield from _draft(_bump(head, now), run, parts, now)
     changes: dict[str, object] = {"last_operation": operation} if operation is not None else {}
+    if usage is not None:
+        changes["usage"] = usage
     updated = _evolve(run, head.version, revision=run.revision + 1, updated_at=now, **changes)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
     yield Write(w)
@@ -575,13 +592,18 @@ def record_run_operation(
     fencing_token: int,
     operation: RunOperation,
     now: Timestamp,
+    usage: AgentUsage | None = None,
 ) -> Operation[RunResult]:
-    """Durably record the run's ``last_operation`` phase (a model request is admitted by this write)."""
+    """Durably record the run's ``last_operation`` phase (a model request is admitted by this write), and
+    its cumulative ``usage`` when given."""
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
     run = _one_run((yield LoadRuns(conversation_id, (run_id,))), conversation_id, run_id)
     _check_owned(run, expected_revision, owner_id, fencing_token, "record an operation on")
     head = _bump(head, now)
-    updated = _evolve(run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now)
+    spent = {"usage": usage} if usage is not None else {}
+    updated = _evolve(
+        run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now, **spent
+    )
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
     return RunResult(run=w.runs[0], version=head.version)
@@ -649,6 +671,7 @@ def commit_run_terminal(
     policy_name: str | None = None,
     absorb: Sequence[AbsorbClaim] = (),
     operation: RunOperation | None = None,
+    usage: AgentUsage | None = None,
 ) -> Operation[TerminalResult]:
     """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
     and — only for a completed run — absorbs the claimed queued runs in the same transaction.
@@ -699,6 +722,7 @@ def commit_run_terminal(
         else:
             absorbed.append(target)
 
+    absorbed.sort(key=lambda r: r.admission_sequence)  # the run answered them in admission order
     absorbed_inputs = tuple(mid for r in absorbed for mid in r.input_message_ids)
     absorbed_ids = {r.id for r in absorbed}
     wanted = (*run.input_message_ids, *absorbed_inputs, run.assistant_message_id)
@@ -730,10 +754,13 @@ def commit_run_terminal(
         run,
         head.version,
         **({"last_operation": operation} if operation is not None else {}),
+        **({"usage": usage} if usage is not None else {}),
         state=state,
         terminal_reason=terminal_reason,
         policy_name=policy_name,
         revision=run.revision + 1,
+        # an absorbing run answered the absorbed inputs too: its own inputs, then theirs
+        input_message_ids=(*run.input_message_ids, *absorbed_inputs),
         absorbed_run_ids=tuple(r.id for r in absorbed),
         lease_expires_at=None,
         terminal_at=now,
@@ -869,6 +896,13 @@ def replace_compacted_range(
         raise AgentIdempotencyConflictError(
             f"summary id {summary.id!r} already exists; use a new id", conversation_id=conversation_id
         )
+    active: list[Run] = yield ListActiveRuns(conversation_id)
+    taken = next((r for r in active if r.assistant_message_id == summary.id), None)
+    if taken is not None:
+        raise AgentIdempotencyConflictError(
+            f"summary id {summary.id!r} is the assistant message id of {taken.state} run {taken.id!r}; use a new id",
+            conversation_id=conversation_id,
+        )
     missing = [mid for mid in ids if mid not in found]
     if missing:
         raise AgentRecordNotFoundError(f"conversation {conversation_id!r} has no messages {missing}")
@@ -887,7 +921,8 @@ def replace_compacted_range(
     lo = min(m.position for m in replaced)  # type: ignore[type-var]
     hi = max(m.position for m in replaced)  # type: ignore[type-var]
     between: list[Message] = yield LoadSettledRange(conversation_id, lo, hi)
-    if {m.id for m in between} != set(ids):
+    # a superseded answer inside the range stays as it is (kept, never summarised): it is not a gap
+    if {m.id for m in between if not (m.role == "assistant" and m.status == "superseded")} != set(ids):
         raise AgentRecordValidationError(
             "replaced_message_ids is not one contiguous range of active settled history", field="replaced_message_ids"
         )
@@ -987,13 +1022,35 @@ def load_snapshot(*, conversation_id: str) -> Operation[ConversationSnapshot]:
         return ConversationSnapshot(conversation_id=conversation_id)
     messages: list[Message] = yield LoadHistory(conversation_id)
     runs: list[Run] = yield LoadAllRuns(conversation_id)
-    ordered_runs = sorted(runs, key=lambda r: r.execution_order_key if r.active else (-1, r.admission_sequence, 0))
     return ConversationSnapshot(
         conversation_id=conversation_id,
         version=state.head.version,
         messages=tuple(causal_order(messages, runs)),
-        runs=tuple(ordered_runs),
+        runs=tuple(causal_run_order(runs)),
     )
+
+
+def causal_run_order(runs: Iterable[Run]) -> list[Run]:
+    """Runs in causal order, never admission order: every run that started, by execution sequence (an
+    absorbed run right after the run that answered it; one that ended without starting after the last run
+    that started before it was admitted), then the queued runs in execution order (urgent ``interrupt-next``
+    runs FIFO before ordinary ones FIFO)."""
+    runs = list(runs)
+    started = sorted((r for r in runs if r.execution_sequence is not None), key=lambda r: r.admission_sequence)
+    sequence_of = {r.id: r.execution_sequence for r in started}
+
+    def key(run: Run) -> tuple[int, int, int, int]:
+        if run.active and run.execution_sequence is None:
+            return (1, *run.execution_order_key)
+        if run.execution_sequence is not None:
+            return (0, run.execution_sequence, 0, 0)
+        if run.absorbed_into_run_id is not None and run.absorbed_into_run_id in sequence_of:
+            return (0, sequence_of[run.absorbed_into_run_id] or 0, 1, run.admission_sequence)
+        # ended before it started (abandoned while queued): after what ran before it was admitted
+        before = [r.execution_sequence or 0 for r in started if r.admission_sequence < run.admission_sequence]
+        return (0, max(before, default=0), 2, run.admission_sequence)
+
+    return sorted(runs, key=key)
 
 
 def load_changes(*, conversation_id: str, since_version: int = 0) -> Operation[ConversationChanges]:

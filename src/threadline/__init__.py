@@ -29,6 +29,7 @@ from .durability import (
     create_local_step_durability as create_local_step_durability,
 )
 from .errors import (
+    AgentConfigError as AgentConfigError,
     AgentContextOverflowError as AgentContextOverflowError,
     AgentConversationPurgedError as AgentConversationPurgedError,
     AgentIdempotencyConflictError as AgentIdempotencyConflictError,
@@ -39,6 +40,7 @@ from .errors import (
     AgentRunOwnershipConflictError as AgentRunOwnershipConflictError,
     AgentRunRevisionConflictError as AgentRunRevisionConflictError,
     AgentRunStateConflictError as AgentRunStateConflictError,
+    AgentRuntimeClosedError as AgentRuntimeClosedError,
     AgentRuntimeUsageError as AgentRuntimeUsageError,
     AgentRunUnsettledError as AgentRunUnsettledError,
     AgentStoreBusyError as AgentStoreBusyError,
@@ -47,6 +49,7 @@ from .errors import (
     AgentStoreError as AgentStoreError,
     AgentStoreSchemaError as AgentStoreSchemaError,
     AgentStoreUnavailableError as AgentStoreUnavailableError,
+    AgentToolFenceLostError as AgentToolFenceLostError,
     ThreadlineError as ThreadlineError,
 )
 from .events import (
@@ -158,7 +161,6 @@ from .runtime import (
     AgentPromptContext as AgentPromptContext,
     AgentRecoveryOutcome as AgentRecoveryOutcome,
     AgentRuntime as AgentRuntime,
-    AgentRuntimeClosedError as AgentRuntimeClosedError,
     AgentRuntimeCloseResult as AgentRuntimeCloseResult,
     AgentRuntimeInput as AgentRuntimeInput,
     AgentRuntimeResult as AgentRuntimeResult,
@@ -217,6 +219,7 @@ __all__ = [
     "AgentCompactionHook",
     "AgentCompactionOutcome",
     "AgentCompactionRequest",
+    "AgentConfigError",
     "AgentContextOverflowError",
     "AgentContextUsage",
     "AgentControlView",
@@ -281,6 +284,7 @@ __all__ = [
     "AgentTool",
     "AgentToolCall",
     "AgentToolContext",
+    "AgentToolFenceLostError",
     "AgentToolLifecycle",
     "AgentUsage",
     "AppError",

@@ -5,7 +5,8 @@ Failures are classified by exception type, never by message text. The tree::
     ThreadlineError
     ├── AgentRuntimeUsageError            the application called threadline wrongly
     │   ├── AgentRecordValidationError    a record or argument failed validation
-    │   └── AgentConfigError              a configuration value is invalid (refused when it is given)
+    │   ├── AgentConfigError              a configuration value is invalid (refused when it is given)
+    │   └── AgentRuntimeClosedError       the runtime is closing: it starts and writes nothing new
     ├── AgentRecordSchemaVersionError     a stored record carries an unknown schema_version
     ├── AgentStoreError                   the store could not do what was asked
     │   ├── AgentStoreConflictError       a compare-and-swap lost: nothing was written
@@ -46,6 +47,7 @@ __all__ = (
     "AgentRunRevisionConflictError",
     "AgentRunStateConflictError",
     "AgentRunUnsettledError",
+    "AgentRuntimeClosedError",
     "AgentRuntimeUsageError",
     "AgentStoreBusyError",
     "AgentStoreConflictError",
@@ -81,6 +83,12 @@ class AgentConfigError(AgentRuntimeUsageError):
     def __init__(self, message: str, *, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class AgentRuntimeClosedError(AgentRuntimeUsageError):
+    """The runtime is closing or closed: it admits nothing new, and ``resume()``/``recover()`` start nothing.
+    Work that had not written yet wrote nothing; durably queued work stays recoverable by ``recover()`` in a
+    later runtime."""
 
 
 class AgentRecordSchemaVersionError(ThreadlineError):

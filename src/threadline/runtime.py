@@ -31,6 +31,7 @@ from .errors import (
     AgentRecordValidationError,
     AgentRunOwnershipConflictError,
     AgentRunStateConflictError,
+    AgentRuntimeClosedError,
     AgentRuntimeUsageError,
     AgentRunUnsettledError,
     AgentStoreConflictError,
@@ -93,11 +94,6 @@ def _takes_argument(hook: Callable[..., Any]) -> bool:
     if len(_ARITY) > 256:  # runtimes built again and again with fresh lambdas: stay bounded
         _ARITY.clear()
     return takes
-
-
-class AgentRuntimeClosedError(AgentRuntimeUsageError):
-    """The runtime is closing or closed: it admits nothing new here; durably queued work stays
-    recoverable by ``recover()`` in a later runtime."""
 
 
 # ------------------------------------------------------------------------------------------ config

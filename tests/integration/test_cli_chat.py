@@ -249,3 +249,56 @@ async def test_chat_without_a_credential_is_one_line(tmp_path: Path, tmux: Tmux)
     lines = [line for line in (await tmux.screen()).splitlines() if line.strip() and "[exited" not in line]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "OPENAI_API_KEY" in lines[0], lines
     assert not (tmp_path / "x.db").exists()
+
+
+async def test_two_chat_windows_on_one_conversation_leave_nothing_unanswered(tmp_path: Path) -> None:
+    """Two `threadline chat` processes on one SQLite conversation. The second window's message queues behind
+    the answer the first one is giving; when that answer ends (here: interrupted with Ctrl-C), the first
+    window's runtime — the one that committed the terminal — answers the queued message too, and the
+    second window shows that answer from the store. Nothing stays queued with nobody running it."""
+    if shutil.which("tmux") is None:
+        if os.environ.get("THREADLINE_REQUIRE_TMUX") == "1":
+            pytest.fail("tmux is not installed (.ci/run installs it)")
+        pytest.skip("tmux is not installed (.ci/run installs it)")
+    db = tmp_path / "chat.db"
+    one, two = Tmux(), Tmux()
+    try:
+        async with create_fault_provider_server() as server:
+            server.script([hang(["Once upon", " a time"]), stream_text(["The end", " of the story."], usage=(9, 4))])
+            command = chat_command(server.base_url, db)
+            await one.start(command, tmp_path, clean_env())
+            await one.wait_prompt()
+            await one.type("tell me a story")
+            await one.wait_for("Once upon a time")
+
+            await two.start(command, tmp_path, clean_env())  # continues the same (most recent) conversation
+            screen = await two.wait_prompt()
+            assert "in another process" in screen
+            await two.type("and then?")
+            await two.wait_for("another window is giving")
+
+            await one.key("C-c")  # the first answer ends; its runtime answers the queued message next
+            await one.wait_for("⟨interrupted⟩")
+            await one.wait_for("The end of the story.")
+            await two.wait_for("The end of the story.")
+            assert [m["content"] for m in server.requests[1].messages if m["role"] == "user"] == [
+                "tell me a story",
+                "and then?",
+            ]
+            for pane in (one, two):
+                await pane.wait_prompt()
+                await pane.type("/quit")
+                assert await pane.exit_status() == 0
+    finally:
+        await one.kill()
+        await two.kill()
+    from threadline import create_sqlite_agent_runtime_store
+
+    handle = create_sqlite_agent_runtime_store(db)
+    try:
+        page = await handle.store.conversations.list(limit=10)
+        (head,) = page.items
+        active = await handle.store.list_active_runs(conversation_id=head.conversation_id)
+        assert active.runs == (), "nothing is left queued or running"
+    finally:
+        await handle.close()

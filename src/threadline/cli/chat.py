@@ -91,6 +91,8 @@ class ChatSession:
             self.prompted = False
             self.printer.open_run = "prompt"  # the prompt's line is open: close it before printing
         self.printer(event)
+        if event.type == "terminal" and not self.pending:
+            self.prompt()  # an answer this window gave to another window's message: ready for input again
         if event.type == "run-state":
             if event.state == "running":
                 self.running = event.run_id

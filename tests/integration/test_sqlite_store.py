@@ -349,7 +349,7 @@ async def test_a_version_1_file_is_migrated_forward_and_keeps_everything(db: Pat
         assert indexed == [("o1:in",), ("o1:out",), ("o2:in",), ("o2:out",)]
     finally:
         conn.close()
-    assert set(after) - set(before) == {"threadline_fts_queue"}
+    assert set(after) - set(before) == {"threadline_fts_queue", "threadline_runs_assistant"}
     changed = {name for name in before if before[name] != after[name]}
     assert changed == {f"threadline_messages_fts_{t}" for t in ("insert", "update", "delete")}
     async with create_sqlite_agent_runtime_store(filename=db):  # reopening migrates nothing more

@@ -28,6 +28,7 @@ from threadline.store.driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     Mutation,
     Write,
 )
@@ -101,6 +102,7 @@ NEW_CONVERSATION: dict[type, Any] = {
     LoadReceiptByInput: None,
     LoadMessages: [],
     ListActiveRuns: [],
+    LoadRunsByAssistant: [],
     LoadRuns: [],
     Write: None,
 }
@@ -129,6 +131,7 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
         LoadReceiptByInput,
         LoadMessages,
         ListActiveRuns,
+        LoadRunsByAssistant,
         LoadRuns,
         LoadMessages,
         Write,
@@ -137,8 +140,10 @@ def test_accept_input_on_a_new_conversation_driven_by_hand() -> None:
     assert requests[1] == LoadReceipt("c_1", "k_1")
     assert requests[2] == LoadReceiptByInput("c_1", "m_1")
     assert requests[3] == LoadMessages("c_1", ("m_1",))
-    assert requests[5] == LoadRuns("c_1", ("run_1",))
-    assert requests[6] == LoadMessages("c_1", ("a_1",))  # a caller-chosen assistant id is checked too
+    # caller-chosen ids are not any run's answer id (one indexed read for both)
+    assert requests[5] == LoadRunsByAssistant("c_1", ("m_1", "a_1"))
+    assert requests[6] == LoadRuns("c_1", ("run_1",))
+    assert requests[7] == LoadMessages("c_1", ("a_1",))  # a caller-chosen assistant id is checked too
 
     mutation: Mutation = requests[-1].mutation
     assert mutation.head is not None
@@ -188,13 +193,21 @@ def test_ids_drawn_fresh_are_not_looked_up() -> None:
         return [type(r) for r in requests]
 
     assert requests_with(frozenset({"m_1", "run_1", "a_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, Write]
-    assert requests_with(frozenset({"m_1", "run_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadMessages, Write]
+    assert requests_with(frozenset({"m_1", "run_1"})) == [
+        LoadHead,
+        LoadReceipt,
+        ListActiveRuns,
+        LoadRunsByAssistant,
+        LoadMessages,
+        Write,
+    ]
     assert requests_with(frozenset({"run_1", "a_1"})) == [
         LoadHead,
         LoadReceipt,
         LoadReceiptByInput,
         LoadMessages,
         ListActiveRuns,
+        LoadRunsByAssistant,
         Write,
     ]
     assert requests_with(frozenset({"m_1", "a_1"})) == [LoadHead, LoadReceipt, ListActiveRuns, LoadRuns, Write]
@@ -204,6 +217,7 @@ def test_ids_drawn_fresh_are_not_looked_up() -> None:
         LoadReceiptByInput,
         LoadMessages,
         ListActiveRuns,
+        LoadRunsByAssistant,
         LoadRuns,
         LoadMessages,
         Write,
@@ -232,6 +246,7 @@ def test_coalescing_into_the_queued_successor_driven_by_hand() -> None:
         LoadReceiptByInput,
         LoadMessages,
         ListActiveRuns,
+        LoadRunsByAssistant,
         Write,
     ]
     assert third.coalesced and third.run.id == "run_2"
@@ -267,6 +282,7 @@ def accept_by_hand(
         LoadReceiptByInput: None,
         LoadMessages: [],
         ListActiveRuns: active,
+        LoadRunsByAssistant: [],
         LoadRuns: [],
         Write: None,
     }

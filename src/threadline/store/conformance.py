@@ -2212,13 +2212,29 @@ async def case_records_round_trip(store: AgentRuntimeStore) -> None:
 
 @_case("assistant_id_collisions")
 async def case_assistant_id_collisions(store: AgentRuntimeStore) -> None:
-    """An id a queued or running run will write its answer under is taken: an input (also one that would
-    coalesce) or a compaction summary using it is refused with nothing written."""
+    """A run's answer id is taken — one a queued or running run will write, and one an absorbed run never
+    writes: an input (also one that would coalesce), a caller-chosen answer id or a compaction summary using
+    it is refused with nothing written."""
     c = _Conv(store, "conv-ids")
     await c.turn("z")  # settled history to compact
+    absorber = await c.acquire((await c.admit("x")).run)
+    absorbed = (await c.admit("y")).run
+    claim = AbsorbClaim(run_id=absorbed.id, expected_revision=absorbed.revision, input_message_ids=(c.inp("y"),))
+    _equal((await c.finish(absorber, text="answer x and y", absorb=[claim])).absorbed_runs[0].id, absorbed.id, "y")
+    await _refused(
+        store,
+        c.cid,
+        AgentIdempotencyConflictError,
+        "a new run whose answer id is an absorbed run's",
+        store.accept_input_and_assign_run,
+        conversation_id=c.cid,
+        idempotency_key="collide-answer",
+        input={"id": "fresh-input", "parts": _text("clash")},
+        assistant_message_id=absorbed.assistant_message_id,
+    )
     running = await c.acquire((await c.admit("a")).run)
     queued = (await c.admit("b")).run
-    for run in (running, queued):
+    for run in (running, queued, absorbed):
         for coalesce in (False, True):
             await _refused(
                 store,

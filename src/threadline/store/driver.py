@@ -56,6 +56,15 @@ class LoadRuns:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadRunsByAssistant:
+    """-> the runs of the conversation whose ``assistant_message_id`` is one of ``message_ids`` (any state:
+    an absorbed run's answer id is taken too, though it never writes a message). Indexed."""
+
+    conversation_id: str
+    message_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ListActiveRuns:
     """-> every run of the conversation whose state is queued, running or interrupt_requested."""
 
@@ -209,6 +218,7 @@ class Purge:
 Request: TypeAlias = (
     LoadHead
     | LoadRuns
+    | LoadRunsByAssistant
     | ListActiveRuns
     | LoadAllRuns
     | LoadReceipt
@@ -238,6 +248,7 @@ class SyncRows(Protocol):
 
     def load_head(self, r: LoadHead) -> HeadState: ...
     def load_runs(self, r: LoadRuns) -> list[Run]: ...
+    def load_runs_by_assistant(self, r: LoadRunsByAssistant) -> list[Run]: ...
     def list_active_runs(self, r: ListActiveRuns) -> list[Run]: ...
     def load_all_runs(self, r: LoadAllRuns) -> list[Run]: ...
     def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None: ...
@@ -261,6 +272,7 @@ class AsyncRows(Protocol):
 
     async def load_head(self, r: LoadHead) -> HeadState: ...
     async def load_runs(self, r: LoadRuns) -> list[Run]: ...
+    async def load_runs_by_assistant(self, r: LoadRunsByAssistant) -> list[Run]: ...
     async def list_active_runs(self, r: ListActiveRuns) -> list[Run]: ...
     async def load_all_runs(self, r: LoadAllRuns) -> list[Run]: ...
     async def load_receipt(self, r: LoadReceipt) -> AdmissionReceipt | None: ...
@@ -324,6 +336,7 @@ class OperationStats:
 _SYNC_DISPATCH: dict[type, str] = {
     LoadHead: "load_head",
     LoadRuns: "load_runs",
+    LoadRunsByAssistant: "load_runs_by_assistant",
     ListActiveRuns: "list_active_runs",
     LoadAllRuns: "load_all_runs",
     LoadReceipt: "load_receipt",

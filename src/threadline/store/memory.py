@@ -31,6 +31,7 @@ from .driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
@@ -77,6 +78,12 @@ class _Rows:
     def load_runs(self, r: LoadRuns) -> list[Run]:
         conv = self._conv(r.conversation_id)
         return [conv.runs[i] for i in r.run_ids if conv and i in conv.runs]
+
+    def load_runs_by_assistant(self, r: LoadRunsByAssistant) -> list[Run]:
+        conv = self._conv(r.conversation_id)
+        wanted = set(r.message_ids)
+        # the reference driver scans; the database drivers use an index
+        return [run for run in conv.runs.values() if run.assistant_message_id in wanted] if conv else []
 
     def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
         conv = self._conv(r.conversation_id)

@@ -62,6 +62,7 @@ from .driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
@@ -334,33 +335,36 @@ def accept_input_and_assign_run(
         )
     head = state.head or _new_head(conversation_id, now)
     active: list[Run] = yield ListActiveRuns(conversation_id)
-    if input.id not in fresh_ids:
-        # the answer a queued or running run will write has this id: the input would take its place
-        taken = next((r for r in active if r.assistant_message_id == input.id), None)
-        if taken is not None:
-            raise AgentIdempotencyConflictError(
-                f"input message id {input.id!r} is the assistant message id of run {taken.id!r}; choose another "
-                "input id (or omit it and let the store draw one)",
-                conversation_id=conversation_id,
-            )
     target = None
     if coalesce and priority == "ordinary":
         candidates = [
             r for r in active if r.state == "queued" and r.priority == "ordinary" and r.execution_sequence is None
         ]
         target = max(candidates, key=lambda r: r.admission_sequence, default=None)
+    # caller-chosen ids are checked against the runs' answer ids (one a run will write, wrote, or — absorbed —
+    # never writes: each names exactly one answer), in one indexed read; drawn ids cannot collide
+    chosen_answer = target is None and assistant_message_id not in fresh_ids and assistant_message_id != input.id
+    wanted = (*((input.id,) if input.id not in fresh_ids else ()), *((assistant_message_id,) if chosen_answer else ()))
+    taken: list[Run] = (yield LoadRunsByAssistant(conversation_id, wanted)) if wanted else []
+    clash = next((r for r in taken if r.assistant_message_id == input.id), None)
+    if clash is not None:
+        raise AgentIdempotencyConflictError(
+            f"input message id {input.id!r} is the assistant message id of run {clash.id!r}; choose another "
+            "input id (or omit it and let the store draw one)",
+            conversation_id=conversation_id,
+        )
     if target is None and run_id not in fresh_ids and (yield LoadRuns(conversation_id, (run_id,))):
         raise AgentIdempotencyConflictError(
             f"run id {run_id!r} already exists in conversation {conversation_id!r}", conversation_id=conversation_id
         )
-    # a caller-chosen assistant id names exactly one answer: not the input, not a stored message, not the
-    # answer an active run will write (a queued run has no message yet)
+    # a caller-chosen assistant id names exactly one answer: not the input, not a stored message, not another
+    # run's answer
     if (
         target is None
         and assistant_message_id not in fresh_ids
         and (
             assistant_message_id == input.id
-            or any(r.assistant_message_id == assistant_message_id for r in active)
+            or any(r.assistant_message_id == assistant_message_id for r in taken)
             or (yield LoadMessages(conversation_id, (assistant_message_id,)))
         )
     ):
@@ -896,11 +900,11 @@ def replace_compacted_range(
         raise AgentIdempotencyConflictError(
             f"summary id {summary.id!r} already exists; use a new id", conversation_id=conversation_id
         )
-    active: list[Run] = yield ListActiveRuns(conversation_id)
-    taken = next((r for r in active if r.assistant_message_id == summary.id), None)
-    if taken is not None:
+    taken: list[Run] = yield LoadRunsByAssistant(conversation_id, (summary.id,))
+    if taken:
         raise AgentIdempotencyConflictError(
-            f"summary id {summary.id!r} is the assistant message id of {taken.state} run {taken.id!r}; use a new id",
+            f"summary id {summary.id!r} is the assistant message id of {taken[0].state} run {taken[0].id!r}; "
+            "use a new id",
             conversation_id=conversation_id,
         )
     missing = [mid for mid in ids if mid not in found]

@@ -68,6 +68,7 @@ from .driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
@@ -90,7 +91,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-SQLITE_SCHEMA_VERSION = 2
+SQLITE_SCHEMA_VERSION = 3
 """The version of the ``threadline_*`` table layout this driver reads and writes. Opening a file of an
 earlier version migrates it forward in one transaction (``_MIGRATIONS``); a later version is refused."""
 
@@ -166,6 +167,12 @@ _INDEXES: dict[str, str] = {
         "CREATE INDEX threadline_runs_active ON threadline_runs (conversation_id, run_id) WHERE active = 1"
     ),
     "threadline_runs_version": ("CREATE INDEX threadline_runs_version ON threadline_runs (conversation_id, version)"),
+    # finds a run by the id of the answer it will write (or would have: absorbed runs write none), so an
+    # input or summary cannot take that id; only caller-chosen ids are looked up
+    "threadline_runs_assistant": (
+        "CREATE INDEX threadline_runs_assistant ON threadline_runs "
+        "(conversation_id, json_extract(body, '$.assistant_message_id'))"
+    ),
     "threadline_messages_version": (
         "CREATE INDEX threadline_messages_version ON threadline_messages (conversation_id, version)"
     ),
@@ -230,6 +237,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         _TRIGGERS["threadline_messages_fts_update"],
         _TRIGGERS["threadline_messages_fts_delete"],
     ),
+    # 2 -> 3: runs are found by their assistant message id
+    2: (_INDEXES["threadline_runs_assistant"],),
 }
 """The statements that bring schema version ``n`` to ``n + 1``."""
 
@@ -238,6 +247,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 _HEAD = "SELECT body FROM threadline_conversations WHERE conversation_id = ?"
 _TOMBSTONE = "SELECT 1 FROM threadline_tombstones WHERE conversation_id = ?"
 _RUN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id = ?"
+_RUNS_BY_ASSISTANT = (
+    "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? "
+    "AND json_extract(body, '$.assistant_message_id') IN ({})"
+)
 _RUNS_IN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id IN ({})"
 _ACTIVE_RUNS = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND active = 1 ORDER BY run_id"
 _ALL_RUNS = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? ORDER BY rowid"
@@ -534,6 +547,13 @@ class _SqliteRows:
             sql = _RUNS_IN.format(", ".join("?" * len(chunk)))
             found.update((run.id, run) for run in self._runs(cid, self.cur.execute(sql, (cid, *chunk)).fetchall()))
         return [found[i] for i in r.run_ids if i in found]
+
+    def load_runs_by_assistant(self, r: LoadRunsByAssistant) -> list[Run]:
+        cid, found = r.conversation_id, []
+        for chunk in _chunks(tuple(dict.fromkeys(r.message_ids))):
+            sql = _RUNS_BY_ASSISTANT.format(", ".join("?" * len(chunk)))
+            found += self._runs(cid, self.cur.execute(sql, (cid, *chunk)).fetchall())
+        return found
 
     def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
         return self._runs(r.conversation_id, self.cur.execute(_ACTIVE_RUNS, (r.conversation_id,)).fetchall())

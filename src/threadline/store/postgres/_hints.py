@@ -20,6 +20,7 @@ from ..driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     LoadSeed,
     Request,
 )
@@ -169,6 +170,8 @@ class Hints:
         kind = type(r)
         if kind in (LoadReceipt, LoadReceiptByInput, LoadSeed):
             return None
+        if kind is LoadRunsByAssistant:
+            return []
         hint = self.by_conversation.get(getattr(r, "conversation_id", ""))
         if kind is LoadHead:
             if hint is None or hint.head is None:
@@ -193,6 +196,7 @@ class Guard:
     was given from hints until the round trip that carries them."""
 
     __slots__ = (
+        "absent_answers",
         "absent_inputs",
         "absent_keys",
         "absent_messages",
@@ -214,6 +218,7 @@ class Guard:
         self.absent_messages: dict[str, None] = {}
         self.absent_keys: dict[str, None] = {}
         self.absent_inputs: dict[str, None] = {}
+        self.absent_answers: dict[str, None] = {}
 
     def statement(self, q: Statements, literal: Callable[[object], bytes]) -> tuple[bytes, bytes]:
         """The ``PREPARE`` text of this guard's shape and the ``EXECUTE`` that checks its claims."""
@@ -228,6 +233,7 @@ class Guard:
             ("no_messages", self.absent_messages),
             ("no_keys", self.absent_keys),
             ("no_inputs", self.absent_inputs),
+            ("no_answers", self.absent_answers),
         ):
             if claim is None or (not claim and part != "active"):
                 continue

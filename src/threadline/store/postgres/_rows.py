@@ -27,6 +27,7 @@ from ..driver import (
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
+    LoadRunsByAssistant,
     LoadRunsSince,
     LoadSeed,
     LoadSettledRange,
@@ -160,6 +161,9 @@ class PostgresRows:
             if len(ids) == 1:
                 return x("message", r.conversation_id, ids[0])
             return x("messages_any", r.conversation_id, ids)
+        if kind is LoadRunsByAssistant:
+            assert isinstance(r, LoadRunsByAssistant)
+            return x("runs_by_assistant", r.conversation_id, list(dict.fromkeys(r.message_ids)))
         if kind is ListActiveRuns:
             return x("active_runs", r.conversation_id)  # type: ignore[attr-defined]
         if kind is LoadReceipt:
@@ -375,6 +379,11 @@ class PostgresRows:
             guard.absent_keys[r.idempotency_key] = None  # type: ignore[attr-defined]
         elif kind is LoadReceiptByInput:
             guard.absent_inputs[r.input_message_id] = None  # type: ignore[attr-defined]
+        elif kind is LoadRunsByAssistant:
+            ids = r.message_ids  # type: ignore[attr-defined]
+            if any(run.assistant_message_id in ids for run in self._remembered_runs(hint)):
+                return _NONE  # a remembered run has one of these answer ids: read the runs
+            guard.absent_answers.update(dict.fromkeys(ids))
         else:
             return _NONE
         if self.guard is None:
@@ -387,9 +396,12 @@ class PostgresRows:
     def _inputs(self, hint: Hint) -> set[str]:
         """The input message ids of the runs the hints remember (they exist, though maybe never seen)."""
         out: set[str] = set()
-        for body, _ in hint.runs.values():
-            out.update(self.cache.get(Run, body, lambda: "a remembered run").input_message_ids)
+        for run in self._remembered_runs(hint):
+            out.update(run.input_message_ids)
         return out
+
+    def _remembered_runs(self, hint: Hint) -> list[Run]:
+        return [self.cache.get(Run, body, lambda: "a remembered run") for body, _ in hint.runs.values()]
 
     async def _execute(self, statement: str, params: Sequence[object] | dict[str, object]) -> None:
         """Run ``statement`` (after whatever is pending) and leave its result current on ``cur``."""
@@ -484,6 +496,9 @@ class PostgresRows:
             return []
         found = {run.id: run for run in self._runs(r.conversation_id, await self._rows(r))}
         return [found[i] for i in r.run_ids if i in found]
+
+    async def load_runs_by_assistant(self, r: LoadRunsByAssistant) -> list[Run]:
+        return self._runs(r.conversation_id, await self._rows(r)) if r.message_ids else []
 
     async def list_active_runs(self, r: ListActiveRuns) -> list[Run]:
         return self._runs(r.conversation_id, await self._rows(r))

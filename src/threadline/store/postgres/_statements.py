@@ -39,6 +39,11 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "text, text[]",
         "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND run_id = ANY($2)",
     ),
+    "runs_by_assistant": (
+        "text, text[]",
+        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 "
+        "AND ((body::jsonb) ->> 'assistant_message_id') = ANY($2)",
+    ),
     "active_runs": (
         "text",
         "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND active ORDER BY run_id",
@@ -208,6 +213,11 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
         ("text[]",),
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_admissions WHERE conversation_id = $1 "
         "AND input_message_id = ANY(${0}))",
+    ),
+    "no_answers": (  # no run's answer has these ids (threadline_runs_assistant)
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_runs WHERE conversation_id = $1 "
+        "AND ((body::jsonb) ->> 'assistant_message_id') = ANY(${0}))",
     ),
 }
 _DIGEST = "encode(sha256(convert_to(body, 'UTF8')), 'hex')"  # :func:`digest` on the server, any encoding

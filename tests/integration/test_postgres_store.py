@@ -21,6 +21,7 @@ import pytest
 
 from threadline.errors import (
     AgentConversationPurgedError,
+    AgentIdempotencyConflictError,
     AgentRecordValidationError,
     AgentStoreBusyError,
     AgentStoreCorruptRecordError,
@@ -145,6 +146,32 @@ async def test_migrations_are_idempotent(postgres_dsn: str, schema: str) -> None
     assert rows == [("schema_version", str(POSTGRES_SCHEMA_VERSION))]
     async with handle_for(postgres_dsn, schema) as pg:
         assert [r.id for r in (await pg.store.list_active_runs(conversation_id="c")).runs] == ["a:run"]
+
+
+async def test_a_layout_1_schema_is_migrated_forward_and_keeps_everything(postgres_dsn: str, schema: str) -> None:
+    """Layout 1 (threadline before runs were found by their answer id) gains the index on open; its rows
+    stay, and the new refusal works on them."""
+    async with handle_for(postgres_dsn, schema) as pg:
+        await turn(pg.store, "c", "t1")
+    await sql(postgres_dsn, f'DROP INDEX "{schema}".threadline_runs_assistant')
+    await sql(postgres_dsn, f"UPDATE \"{schema}\".threadline_meta SET value = '1' WHERE key = 'schema_version'")
+    async with handle_for(postgres_dsn, schema) as pg:
+        loaded = await pg.store.load_run(conversation_id="c", run_id="t1:run")
+        assert loaded is not None and loaded.run.terminal_reason == "success"
+        with pytest.raises(AgentIdempotencyConflictError):
+            await pg.store.accept_input_and_assign_run(
+                conversation_id="c",
+                idempotency_key="clash",
+                input={"id": loaded.run.assistant_message_id, "parts": [{"type": "text", "text": "x"}]},
+            )
+    rows = await sql(postgres_dsn, f'SELECT value FROM "{schema}".threadline_meta')
+    assert rows == [(str(POSTGRES_SCHEMA_VERSION),)]
+    indexes = await sql(
+        postgres_dsn,
+        "SELECT indexname FROM pg_indexes WHERE schemaname = %s AND indexname = %s",
+        (schema, "threadline_runs_assistant"),
+    )
+    assert indexes == [("threadline_runs_assistant",)]
 
 
 async def test_concurrent_opens_agree_on_one_schema(postgres_dsn: str, schema: str) -> None:

@@ -1,21 +1,48 @@
-"""Contract (issue 17, §2): admission and absorption records.
+"""Contract (issue 17, §2): admission and absorption records, on every driver (memory, SQLite, and
+PostgreSQL when a server answers): the driver's own reads decide these outcomes.
 
 Interleavings are decided by asyncio events; every wait is bounded so a hang fails the test."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic_ai.models.function import DeltaToolCall
 
-from threadline import AgentIdempotencyConflictError, define_agent_tool
+from threadline import AgentIdempotencyConflictError, create_memory_agent_runtime_store, define_agent_tool
+from threadline.store.sqlite import create_sqlite_agent_runtime_store
 
 from .conftest import Script, answer_text, last_user_text, make_runtime, submit, text, tool_returns
 
-WAIT = 5
+WAIT = 10
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param == "memory":
+        yield create_memory_agent_runtime_store()
+        return
+    if request.param == "sqlite":
+        async with create_sqlite_agent_runtime_store(filename=tmp_path / "contract.db") as handle:
+            yield handle.store
+        return
+    dsn = request.getfixturevalue("postgres_dsn")
+    import psycopg
+
+    from threadline.store.postgres import create_postgres_agent_runtime_store
+
+    schema = f"threadline_test_{uuid.uuid4().hex}"
+    try:
+        async with create_postgres_agent_runtime_store(dsn, schema=schema) as handle:
+            yield handle.store
+    finally:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def version_of(store: Any, conversation_id: str = "c1") -> int:

@@ -307,6 +307,9 @@ def assistant_status_for(reason: str) -> str:
     return ASSISTANT_STATUS_FOR_REASON.get(reason, "failed")
 
 
+INPUT_POLICIES = ("queue", "inject", "interrupt", "interrupt-next", "supersede")
+"""What a newly admitted input does to the run in flight (``Run.input_policy``; see ``runs.input_policy``)."""
+
 Priority = Literal["ordinary", "urgent"]
 OperationKind = Literal["model-request", "compaction", "retry"]
 OperationPhase = Literal["scheduled", "started", "first-output", "completed", "failed", "cancelled"]

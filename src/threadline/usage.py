@@ -75,12 +75,12 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_ai.usage import RequestUsage
 
 from ._evolve import evolve
 
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelResponse
+    from pydantic_ai.usage import RequestUsage  # only read, never built: importing pydantic-ai costs ~0.5 s
 
 Provenance = Literal["provider-reported", "computed", "estimated", "unavailable"]
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")

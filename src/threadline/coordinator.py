@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AgentConversationPurgedError, AgentRunOwnershipConflictError, AgentRunUnsettledError
 from .loop import RunControl
-from .records import Run
+from .records import INPUT_POLICIES as INPUT_POLICIES, Run
 
 if TYPE_CHECKING:
     from .runtime import AgentRuntime
 
-INPUT_POLICIES = ("queue", "inject", "interrupt", "interrupt-next", "supersede")
 _ABORT_REASON = {"interrupt": "interrupted", "interrupt-next": "interrupted", "supersede": "superseded"}
 MAX_REFUSALS = 64
 """Acquisitions of one run the store may refuse in a row (each refusal means another write moved the

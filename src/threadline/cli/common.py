@@ -10,18 +10,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from ..coordinator import INPUT_POLICIES
 from ..errors import AgentStoreUnavailableError, ThreadlineError
-from ..models import AgentModelUnavailableError, define_model_registry
-from ..protocol import define_agent_protocol
-from ..runtime import AgentRuntime, create_agent_runtime
+from ..records import INPUT_POLICIES
 from ..store.aggregate import AgentConversationReader, AgentRuntimeStore
-from ..tools import AgentTool, define_agent_tool
-from .scripted import NOTES, ScriptedModel
+
+if TYPE_CHECKING:  # the runtime side (pydantic-ai) is imported by the commands that run a model
+    from ..runtime import AgentRuntime
+    from ..tools import AgentTool
+    from .scripted import ScriptedModel
 
 DEFAULT_DB = Path("threadline.db")
 POLICY_HELP = "Input policy for text typed while the model answers: " + ", ".join(INPUT_POLICIES) + "."
@@ -109,6 +109,8 @@ def choose_model(name: str | None, base_url: str | None, *, pace: float = 0.0) -
         return ModelChoice(OpenAIChatModel(bare, provider=provider), f"{bare} at {base_url}")
     if name:
         return ModelChoice(name, name)
+    from .scripted import ScriptedModel
+
     scripted = ScriptedModel(pace=pace)
     return ModelChoice(scripted.model, "threadline's built-in scripted model (offline)", scripted)
 
@@ -124,6 +126,8 @@ def first_sentence(message: str) -> str:
 def check_model(choice: ModelChoice, name: str) -> None:
     """Build the model now (reads the provider's credentials), so a missing key is reported before
     anything is written. Raises :class:`AgentModelUnavailableError` naming the environment variable."""
+    from ..models import AgentModelUnavailableError, define_model_registry
+
     registry = define_model_registry(models={name: {"model": choice.model, "context_window": None}})
     try:
         registry.preflight(name)
@@ -135,6 +139,9 @@ def check_model(choice: ModelChoice, name: str) -> None:
 
 
 def lookup_tool() -> AgentTool:
+    from ..tools import define_agent_tool
+    from .scripted import NOTES
+
     @define_agent_tool
     async def lookup(topic: str) -> str:
         """Look up notes about a city (offline notes: Lisbon, Porto)."""
@@ -145,6 +152,8 @@ def lookup_tool() -> AgentTool:
 
 
 def clock_tool() -> AgentTool:
+    from ..tools import define_agent_tool
+
     @define_agent_tool
     async def current_time() -> str:
         """The current date and time (UTC)."""
@@ -172,6 +181,10 @@ def build_runtime(
     instructions: str = "You are a concise assistant. Answer in a few sentences.",
 ) -> AgentRuntime:
     """A runtime over ``store`` with one model (a pydantic-ai ``Model`` or name) and ``tools``."""
+    from ..models import define_model_registry
+    from ..protocol import define_agent_protocol
+    from ..runtime import create_agent_runtime
+
     registry = define_model_registry(models={model_name: {"model": model, "context_window": None}})
     # every CLI input carries the same context, so a run another process admitted (a second chat window
     # on the conversation, a `threadline worker`) can be executed here when it queues behind our run

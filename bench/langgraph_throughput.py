@@ -3,7 +3,7 @@
     bench/setup-peers            # once: creates bench/.venv-peers
     bench/.venv-peers/bin/python bench/langgraph_throughput.py [--savers sqlite postgres] [--conversations 100]
                                  [--turns 10] [--repeat 1] [--dsn postgresql://postgres@127.0.0.1:5432/test]
-                                 [--pool-max 10]
+                                 [--pool-max 10] [--no-additions]
 
 ``langgraph.prebuilt.create_react_agent`` with the zero-latency scripted chat model and ``lookup`` tool of
 ``bench/langgraph_turns.py`` (the ``bench/workload.py`` turn: one tool call, its result, a ~200-character
@@ -23,11 +23,13 @@ runs first.
 
     system=langgraph store=<sqlite|postgres> processes=1 conversations=<c> turns_per_s=<x> total_turns=<n>
         seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m> client_cpu_s=<s> [server_cpu_s=<s>]
-        machine_busy=<f>
+        machine_busy=<f> gc=<g> [pool_max=<n>] additions_s=<s>
 
 ``client_cpu_s``: CPU of this process during the timed section; ``server_cpu_s`` (PostgreSQL, local server):
 CPU of the run's server backends (found by ``application_name``); ``machine_busy``: the fraction of all
-CPUs busy (``/proc/stat``), other work on the machine included.
+CPUs busy (``/proc/stat``), other work on the machine included; ``additions_s``: ten million Python
+integer additions timed in this process right before the timed section (``workload.additions_s``: the
+machine's speed that minute; ``--no-additions`` leaves it out).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from langgraph_turns import ScriptedChatModel, agent
-from workload import ANSWER, machine_line, question, tune_gc
+from workload import ANSWER, additions_s, machine_line, question, tune_gc
 
 DEFAULT_DSN = os.environ.get("THREADLINE_TEST_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/test"
 TIMEOUT_S = 300.0
@@ -113,6 +115,7 @@ async def measure(
     await conversation(graph, "warmup", 1, [])
     tune_gc(args.gc)
     per_thread: list[list[int]] = [[] for _ in range(args.conversations)]
+    additions = None if args.no_additions else additions_s()
     server0 = server() if server is not None else None
     busy0, cpu0 = cpu_ticks(), time.process_time()
     start = time.perf_counter_ns()
@@ -135,7 +138,8 @@ async def measure(
         f"max_turn_ms={times[-1] / 1e6:.1f} client_cpu_s={cpu_s:.2f} "
         + (f"server_cpu_s={server_cpu:.2f} " if server_cpu is not None else "")
         + f"machine_busy={busy:.2f} gc={args.gc}"
-        + (f" pool_max={args.pool_max}" if store == "postgres" else ""),
+        + (f" pool_max={args.pool_max}" if store == "postgres" else "")
+        + (f" additions_s={additions:.2f}" if additions is not None else ""),
         flush=True,
     )
 
@@ -211,6 +215,11 @@ def main() -> int:
     parser.add_argument("--gc", choices=("default", "tuned"), default="default", help="see workload.tune_gc")
     parser.add_argument("--dsn", default=DEFAULT_DSN)
     parser.add_argument("--pool-max", type=int, default=10, help="PostgreSQL pool max_size")
+    parser.add_argument(
+        "--no-additions",
+        action="store_true",
+        help="do not time ten million additions before each run (bench/instructions.py: valgrind is slow)",
+    )
     args = parser.parse_args()
     print(machine_line(), flush=True)
     names = ("langgraph", "langgraph-prebuilt", "langgraph-checkpoint", "langgraph-checkpoint-sqlite",

@@ -52,7 +52,7 @@ from langchain_core.tools import tool
 from langgraph.prebuilt import create_react_agent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question
+from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, additions_s, machine_line, question
 
 
 class ScriptedChatModel(BaseChatModel):
@@ -123,6 +123,7 @@ class Grower:
         self.size_turns: int | None = None
         self.size_times: list[int] = []
         self.all_times: list[int] = []
+        self.speed = additions_s()  # the machine's speed before the first timed turn (the size line)
 
     def over_budget(self) -> bool:
         return time.monotonic() - self.started > self.budget_s
@@ -146,7 +147,7 @@ class Grower:
                 f"system=langgraph store=sqlite messages={self.messages} "
                 f"per_turn_ms={statistics.median(tail) / 1e6:.2f} db_bytes={db_bytes(self.path)} "
                 f"turns={self.turns} saver={self.saver} history=real "
-                f"total_s={sum(self.all_times) / 1e9:.1f} checkpoint={status} "
+                f"total_s={sum(self.all_times) / 1e9:.1f} checkpoint={status} additions_s={self.speed:.2f} "
                 f"(per_turn_ms: median of the last 20 turns)",
                 flush=True,
             )
@@ -165,12 +166,13 @@ async def run(args: argparse.Namespace, path: Path, invoke: Callable[[dict[str, 
                       f"reached_turns={grower.turns} wanted_messages={n} max_seconds={args.max_seconds}")  # fmt: skip
                 return 1
             await grower.turn()
+        speed = additions_s()  # the machine's speed right before the timed turns
         times = [await grower.turn() for _ in range(args.window)]
         status = checkpoint(path)
         print(
             f"system=langgraph store=sqlite messages={n} per_turn_ms={statistics.median(times) / 1e6:.2f} "
             f"db_bytes={db_bytes(path)} turns={n // 4} saver={args.saver} history=real window_turns={args.window} "
-            f"p90_ms={statistics.quantiles(times, n=10)[-1] / 1e6:.2f} checkpoint={status}",
+            f"p90_ms={statistics.quantiles(times, n=10)[-1] / 1e6:.2f} checkpoint={status} additions_s={speed:.2f}",
             flush=True,
         )
     while grower.size_turns is not None and grower.turns < grower.size_turns:

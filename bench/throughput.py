@@ -4,7 +4,7 @@
                                          [--turns 10] [--model function|minimal] [--repeat 1]
                                          [--dsn postgresql://postgres@127.0.0.1:5432/test] [--pool-max 10]
                                          [--verbose] [--profile sqlite-1|postgres-1] [--switch-interval S]
-                                         [--no-group-commit]
+                                         [--no-group-commit] [--no-additions]
 
 DESIGN §5: 100 conversations × 10 turns in one process, at least 10× LangGraph on the same workload
 (``bench/langgraph_throughput.py``; anchor: 46.6 turns/s on its async SQLite checkpointer), and PostgreSQL
@@ -29,7 +29,8 @@ Configurations (``--configs``), one line each:
     system=threadline store=<sqlite|postgres> processes=<p> conversations=<c> turns_per_s=<x>
         total_turns=<n> seconds=<wall> p50_turn_ms=<m> p90_turn_ms=<m> max_turn_ms=<m>
         store_ops_per_turn=<o> commits_per_turn=<c> client_cpu_s=<s> [server_cpu_s=<s>]
-        [roundtrips_per_turn=<r>] machine_busy=<f> model=<m> [pool_max=<n>]
+        [roundtrips_per_turn=<r>] machine_busy=<f> model=<m> gc=<g> [pool_max=<n> group_commit=<on|off>]
+        additions_s=<s>
 
 ``p50_turn_ms``: the median time from ``submit`` to the result under this load (it includes waiting for
 the other conversations). ``commits_per_turn``: write operations per turn (``store.metrics``).
@@ -39,7 +40,10 @@ does not move with the machine's load.
 ``client_cpu_s``: CPU time of the benchmark process(es) during the timed section (user + system, all
 threads); ``server_cpu_s``: CPU of the run's PostgreSQL backends (found in ``pg_stat_activity`` by
 ``application_name``, which is set to the schema name; read from ``/proc``, so only for a server on this
-machine); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/stat``; other work included).
+machine); ``machine_busy``: the fraction of all CPUs busy during it (``/proc/stat``; other work included);
+``additions_s``: ten million Python integer additions timed right before the timed section, in the process
+that runs it (the parent for ``postgres-P``): ``workload.additions_s``, the machine's speed that minute.
+``--no-additions`` leaves it out (``bench/instructions.py``, under valgrind).
 A PostgreSQL configuration is skipped with a ``# skipped:`` line when no server answers at ``--dsn``.
 
 ``--verbose`` (SQLite) adds the driver's counters over the timed section: transactions, operations and
@@ -75,7 +79,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pydantic_ai.models.function import FunctionModel
 from turns import WRITE_OPS, Context, driver_call, lookup, print_profile, scripted, text
-from workload import machine_line, question, tune_gc
+from workload import additions_s, machine_line, question, tune_gc
 
 from threadline import (
     AgentRuntime,
@@ -190,6 +194,7 @@ def report(
     busy: float,
     args: Any,
     server_cpu: float | None = None,
+    additions: float | None = None,
 ) -> None:
     times = sorted(t for b in batches for t in b.times_ns)
     n = len(times)
@@ -213,9 +218,15 @@ def report(
             if store == "postgres"
             else ""
         )
-        + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else ""),
+        + (f" switch_interval={args.switch_interval:g}" if args.switch_interval is not None else "")
+        + (f" additions_s={additions:.2f}" if additions is not None else ""),
         flush=True,
     )
+
+
+def machine_speed(args: Any) -> float | None:
+    """``workload.additions_s()`` right before a timed section (None with ``--no-additions``)."""
+    return None if args.no_additions else additions_s()
 
 
 def conversation_ids(offset: int, count: int) -> list[str]:
@@ -259,12 +270,13 @@ async def sqlite_run(args: Any, profile: bool = False) -> None:
             if profile:
                 await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "sqlite-1", args)
             else:
+                additions = machine_speed(args)
                 before = await clock.read() if clock is not None else None
                 busy0 = cpu_ticks()
                 batch = await run_batch(runtime, store, cids, args.turns)
                 busy = busy_fraction(busy0, cpu_ticks())
                 wall_s = (batch.end_ns - batch.start_ns) / 1e9
-                report("sqlite", 1, args.conversations, wall_s, [batch], busy, args)
+                report("sqlite", 1, args.conversations, wall_s, [batch], busy, args, additions=additions)
                 if clock is not None and before is not None:
                     tx, ops, inline, tx_ns, worker_cpu, loop_cpu = (
                         a - b for a, b in zip(await clock.read(), before, strict=True)
@@ -380,13 +392,14 @@ async def postgres_one(args: Any, schema: str, profile: bool = False) -> None:
         if profile:
             await profiled(store, lambda: run_batch(runtime, store, cids, args.turns), "postgres-1", args)
         else:
+            additions = machine_speed(args)
             server0 = backend_cpu(args.dsn, schema)
             busy0 = cpu_ticks()
             batch = await run_batch(runtime, store, cids, args.turns)
             busy = busy_fraction(busy0, cpu_ticks())
             server = server_cpu_s(server0, backend_cpu(args.dsn, schema))
             wall_s = (batch.end_ns - batch.start_ns) / 1e9
-            report("postgres", 1, args.conversations, wall_s, [batch], busy, args, server)
+            report("postgres", 1, args.conversations, wall_s, [batch], busy, args, server, additions)
         await runtime.close()
 
 
@@ -427,6 +440,7 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
             line = child.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"child {child.pid} did not get ready: {line!r}")
+        additions = machine_speed(args)  # in the parent, while the children wait for the start signal
         server0 = backend_cpu(args.dsn, schema)
         busy0 = cpu_ticks()
         start_ns = time.monotonic_ns()
@@ -457,7 +471,8 @@ def postgres_many(args: Any, schema: str, processes: int) -> None:
                 child.wait()
     end_ns = max(b.end_ns for b in batches)
     lag_ms = max(b.start_ns - start_ns for b in batches) / 1e6
-    report("postgres", processes, args.conversations, (end_ns - start_ns) / 1e9, batches, busy, args, server)
+    wall_s = (end_ns - start_ns) / 1e9
+    report("postgres", processes, args.conversations, wall_s, batches, busy, args, server, additions)
     print(f"# postgres-{processes}: last child started {lag_ms:.1f} ms after the start signal", flush=True)
 
 
@@ -518,6 +533,11 @@ def main() -> int:
         type=float,
         default=None,
         help="diagnostic: sys.setswitchinterval(seconds) in every process (default: Python's 0.005)",
+    )
+    parser.add_argument(
+        "--no-additions",
+        action="store_true",
+        help="do not time ten million additions before each run (bench/instructions.py: valgrind is slow)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--schema", default=None, help=argparse.SUPPRESS)

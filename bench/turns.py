@@ -20,8 +20,12 @@ a window is filled with ``seed_conversation_input(placement="after-settled")`` b
 the same shape as real turns, plus two untimed real turns; ``--grow real`` fills it with real turns only
 (seeded history has no run records, real history has one per turn). Lines:
 
-    system=threadline store=sqlite messages=<n> per_turn_ms=<t> db_bytes=<b> turns=<k> history=<seed|real>
+    system=threadline store=sqlite messages=<n> per_turn_ms=<t> db_bytes=<b> turns=<k> history=<seed|real> ...
     system=threadline store=sqlite messages=<n> turn_store_ops=<o> turn_commits=<c> turn_rows_read=<r> ...
+
+Every line ends with ``additions_s=<s>``: ten million Python integer additions timed right before that
+window's timed turns (``workload.additions_s``: the machine's speed that minute; per-turn times of a
+machine twice as slow there are about twice as long).
 
 ``messages`` is the history at the window's centre, ``turns`` the same content in turns (messages / 2;
 LangGraph stores four messages per turn of this workload, so compare the two systems on ``turns``).
@@ -82,7 +86,7 @@ from threadline import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, machine_line, question
+from workload import ANSWER, QUERY, TOOL_NAME, TOOL_RESULT, additions_s, machine_line, question
 
 SEED_BATCH = 200  # messages per seed_conversation_input call
 WARMUP_TURNS = 2  # untimed real turns right before every window
@@ -358,6 +362,7 @@ async def window(
         conv.times_ns = []
     publishers = [c.publisher for c in convs if c.publisher is not None]
     events0 = [(p.events, p.ns, p.bytes) for p in publishers]
+    speed = f"additions_s={additions_s():.2f}"  # the machine's speed right before the timed turns
     before = snapshot_metrics(store)
     timed_before = timer.snapshot() if timer is not None else None
     for _ in range(turns):
@@ -371,7 +376,7 @@ async def window(
     print(
         f"system=threadline store=sqlite messages={size} per_turn_ms={median_ms:.2f} db_bytes={size_now} "
         f"turns={size // 2} history={grow} window_turns={turns} model={MODEL_KIND} compaction={COMPACTION} "
-        f"p90_ms={statistics.quantiles(base.times_ns, n=10)[-1] / 1e6:.2f}",
+        f"p90_ms={statistics.quantiles(base.times_ns, n=10)[-1] / 1e6:.2f} {speed}",
         flush=True,
     )
     n_turns = turns * len(convs)
@@ -381,7 +386,7 @@ async def window(
     rows_written = sum(w for _, _, w in delta.values()) / n_turns
     print(
         f"system=threadline store=sqlite messages={size} turn_store_ops={ops:g} turn_commits={commits:g} "
-        f"turn_rows_read={rows_read:g} turn_rows_written={rows_written:g}",
+        f"turn_rows_read={rows_read:g} turn_rows_written={rows_written:g} {speed}",
         flush=True,
     )
     if verbose and timer is not None and timed_before is not None:
@@ -413,7 +418,7 @@ async def window(
             f"per_turn_ms={statistics.median(conv.times_ns) / 1e6:.2f} baseline_per_turn_ms={median_ms:.2f} "
             f"publish_us_per_event={diff_us / per_turn_events:.1f} "
             f"in_callback_us_per_event={(pub.ns - ns0) / 1e3 / events:.1f} "
-            f"json_bytes_per_event={(pub.bytes - b0) / events:.0f}",
+            f"json_bytes_per_event={(pub.bytes - b0) / events:.0f} {speed}",
             flush=True,
         )
     if profile:
@@ -468,6 +473,7 @@ async def size_run(turns: int, tmp: Path) -> None:
     path = tmp / "turns-500.db"
     sqlite = create_sqlite_agent_runtime_store(filename=path)
     conv = Conversation(make_runtime(sqlite.store), "conv-500")
+    speed = additions_s()
     times = [await conv.turn() for _ in range(turns)]
     await conv.runtime.close()
     await sqlite.close()
@@ -476,7 +482,8 @@ async def size_run(turns: int, tmp: Path) -> None:
     print(
         f"system=threadline store=sqlite messages={conv.messages} per_turn_ms={statistics.median(tail) / 1e6:.2f} "
         f"db_bytes={db_bytes(path)} turns={turns} history=real model={MODEL_KIND} total_s={sum(times) / 1e9:.1f} "
-        f"first20_ms={statistics.median(times[:20]) / 1e6:.2f} (per_turn_ms: median of the last 20 turns)",
+        f"first20_ms={statistics.median(times[:20]) / 1e6:.2f} additions_s={speed:.2f} "
+        "(per_turn_ms: median of the last 20 turns)",
         flush=True,
     )
 

@@ -34,6 +34,27 @@ def machine_line() -> str:
     return f"# machine: cpus={os.cpu_count()} loadavg={load} python={platform.python_version()}"
 
 
+_ADDITIONS = compile("s = 0\nfor i in range(10_000_000):\n    s += i\n", "<additions>", "exec")
+
+
+def additions_s() -> float:
+    """Seconds this process takes for ten million Python integer additions: ``for i in range(10_000_000):
+    s += i`` at module scope (``s`` and ``i`` are globals, as ``python -c`` runs it), timed with
+    ``perf_counter``. The machine's speed for interpreter-bound work at that moment, load included; printed
+    as ``additions_s=`` beside every figure and measured in the benchmark's own process right before its
+    timed section, so a figure from a machine (or a minute) twice as slow can be told from a slower
+    system. About 1.1 s on the machine that measured 11.6x LangGraph's throughput, 2.2 s on one where it
+    was 8x (issue 17)."""
+    import time
+
+    scope: dict[str, int] = {}
+    start = time.perf_counter()
+    exec(_ADDITIONS, scope)
+    elapsed = time.perf_counter() - start
+    assert scope["s"] == 49_999_995_000_000
+    return elapsed
+
+
 GC_THRESHOLD = 50_000
 
 

@@ -31,3 +31,18 @@ def evolve(record: R, changes: Mapping[str, Any]) -> R:
     _set(new, "__pydantic_fields_set__", fields_set)
     _set(new, "__pydantic_private__", None)
     return new
+
+
+def build(template: R, values: Mapping[str, Any]) -> R:
+    """A new record like ``template`` with ``values``, not validated, reporting exactly ``template``'s fields
+    as set: for records made from values the caller vouches for, copying a template that was validated once
+    and constructed with the very fields the construction it stands for names. A mutable field's value
+    (a dict) is shared with the template unless ``values`` gives a fresh one."""
+    new = _new(template.__class__)
+    fields = template.__dict__.copy()
+    fields.update(values)
+    _set(new, "__dict__", fields)
+    _set(new, "__pydantic_extra__", None)
+    _set(new, "__pydantic_fields_set__", template.__pydantic_fields_set__)
+    _set(new, "__pydantic_private__", None)
+    return new

@@ -88,6 +88,7 @@ from .history.view import ConversationView
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import (
+    TEMPLATE_TIME,
     ApprovalRequestPart,
     ControlPart,
     InputJoinedPart,
@@ -101,6 +102,7 @@ from .records import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    build,
     evolve,
 )
 from .store.aggregate import AgentRuntimeStore, new_id
@@ -121,6 +123,7 @@ INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
 PROGRESS_MIN_INTERVAL = 0.25
 """Seconds: a tool's progress reports closer together than this are dropped."""
 STORE_RETRY_DELAYS = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)  # about half a second in all
+_RETRY_DELAYS = (*STORE_RETRY_DELAYS, None)  # None: the last attempt
 _DECISIONS = (AgentStoreConflictError, AgentRecordNotFoundError, AgentConversationPurgedError, AgentRuntimeUsageError)
 T = TypeVar("T")
 
@@ -129,7 +132,7 @@ async def with_store_retry(call: Callable[[], Awaitable[T]]) -> T:
     """Retry a failing store call for about half a second. Decisions (conflicts, purges, unknown ids,
     bad input) are answers, not failures, and pass through at once. Retries bound a call that fails,
     not one that hangs: give the store its own timeouts."""
-    for delay in (*STORE_RETRY_DELAYS, None):
+    for delay in _RETRY_DELAYS:
         try:
             return await call()
         except _DECISIONS:
@@ -790,20 +793,22 @@ class _Execution:
         view = self.env.view
         if view.version != self.run.version:  # something this process did not write happened since
             await with_store_retry(lambda: view.refresh(self.env.store))
-        joined = set(self.claims)
-        tail = [m for m in view.tail(self.run.id) if m.id != self.run.assistant_message_id]
-        tail += [m for m in view.messages_of(joined) if m.role == "user"]
+        run = self.run
+        own = run.assistant_message_id
+        tail = [m for m in view.tail(run.id) if m.__dict__["id"] != own]  # (no pydantic hook per message)
+        if self.claims:
+            tail += [m for m in view.messages_of(set(self.claims)) if m.role == "user"]
         draft = self._draft
-        if draft is None or draft.id != self.run.assistant_message_id:
-            draft = self._draft = Message(
-                id=self.run.assistant_message_id,
-                conversation_id=self.run.conversation_id,
-                role="assistant",
-                status="completed",
-                parts=(),
-                run_id=self.run.id,
-                created_at=self.run.created_at,
-                seq=0,
+        if draft is None or draft.__dict__["id"] != own:
+            draft = self._draft = build(
+                _TAIL_DRAFT,
+                {
+                    "id": run.assistant_message_id,
+                    "conversation_id": run.conversation_id,
+                    "run_id": run.id,
+                    "metadata": {},
+                    "created_at": run.created_at,
+                },
             )
         tail.append(evolve(draft, {"parts": tuple(self.parts)}))
         options = self.env.projection_options
@@ -834,9 +839,11 @@ class _Execution:
 
     async def _stream(
         self, operation: RunOperation, model: AgentModelDescriptor, messages: list[Any], params: Any
-    ) -> tuple[ModelResponse, RunOperation | None]:
-        """Stream one provider request (already durably admitted as ``operation``). On failure the
-        attempt's usage still counts, and its streamed text stays as evidence unless the caller retries."""
+    ) -> tuple[ModelResponse, datetime | None]:
+        """Stream one provider request (already durably admitted as ``operation``); returns the response
+        and when its first output came, unless a checkpoint during the stream recorded that already. On
+        failure the attempt's usage still counts, and its streamed text stays as evidence unless the
+        caller retries."""
         state: dict[str, Any] = {"stream": None, "first": False, "first_pending": None, "base": list(self.parts)}
         try:
             response = await self._abortable(self._consume(operation, model, messages, params, state))
@@ -902,7 +909,8 @@ class _Execution:
                         count = 0
                         boundary = False
                         # the first-output phase rides along with the next commit
-                        first, state["first_pending"] = state["first_pending"], None
+                        first_at, state["first_pending"] = state["first_pending"], None
+                        first = _first_output(operation, first_at) if first_at is not None else None
                         await self.owned.checkpoint([*base, *canonical_parts(stream.get(), model.provider_name)], first)
                         if timeout is not None:
                             timeout.reschedule(loop.time() + idle)  # type: ignore[operator]
@@ -960,7 +968,7 @@ class _Execution:
             self._transient(ReasoningDeltaEvent, delta=reasoning)
         if (text or reasoning or output) and not state["first"]:
             state["first"] = True
-            state["first_pending"] = evolve(operation, {"phase": "first-output", "first_output_at": _now()})
+            state["first_pending"] = _now()  # its phase record is made where it is written or published
 
     def _reasoning_end(self, part: PaiThinkingPart, provider: str) -> None:
         self._transient(ReasoningEndEvent)  # the reasoning's provider metadata stays in the store
@@ -993,32 +1001,32 @@ class _Execution:
         """One managed call: lifecycle ``before`` (application hooks, then the fence), the tool, ``after``.
         A lost fence stops the run (never a model-facing error); any other failure becomes the safe
         envelope, its real cause going only to ``on_error``."""
-        self._transient(
-            ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="started", input=call.input
-        )
+        # the call's fields, read once (each read of a record's attribute is a pydantic hook call)
+        call_id, tool_name, call_input = call.call_id, call.tool_name, call.input
+        self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="started", input=call_input)
         lifecycle = self._lifecycle
         info = None
         try:
             if lifecycle is None:
                 await self.owned.fence()
             else:
-                info = AgentToolCall(self.run.conversation_id, self.run.id, call.call_id, call.tool_name, call.input)
+                info = AgentToolCall(self.run.conversation_id, self.run.id, call_id, tool_name, call_input)
                 await lifecycle.before(info)  # type: ignore[misc]
-            tool = tools.get(call.tool_name)
+            tool = tools.get(tool_name)
             if tool is None:
-                raise AppError("UNKNOWN_TOOL", f"no tool named {call.tool_name!r}", hint=f"use one of {sorted(tools)}")
-            args = tool.validate(call.input)
+                raise AppError("UNKNOWN_TOOL", f"no tool named {tool_name!r}", hint=f"use one of {sorted(tools)}")
+            args = tool.validate(call_input)
             run = self.run
             ctx = AgentToolContext(
                 conversation_id=run.conversation_id,
                 run_id=run.id,
-                call_id=call.call_id,
-                tool_name=call.tool_name,
+                call_id=call_id,
+                tool_name=tool_name,
                 context=tool.parse_context(self.env.context),
                 report_progress=self._progress_reporter(call),
                 owner_id=self.env.owner_id,
                 fencing_token=run.fencing_token,
-                idempotency_key=call_idempotency_key(run.conversation_id, run.id, call.call_id),
+                idempotency_key=call_idempotency_key(run.conversation_id, run.id, call_id),
                 _durability=self.env.settings.step_durability,
                 _joined_run_ids=tuple(self.claims),
             )
@@ -1033,19 +1041,15 @@ class _Execution:
         except (_FenceLost, _Aborted, _Failure):
             raise
         except Exception as error:
-            self._finished_calls.add(call.call_id)
+            self._finished_calls.add(call_id)
             if lifecycle is not None:
                 await lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
-            self._transient(
-                ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
-            )
-            return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope)
-        self._finished_calls.add(call.call_id)
-        self._transient(
-            ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="completed", output=output
-        )
-        return ToolResultPart(call_id=call.call_id, tool_name=call.tool_name, outcome="success", output=output)
+            self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="failed", error=envelope)
+            return ToolResultPart(call_id=call_id, tool_name=tool_name, outcome="error", output=envelope)
+        self._finished_calls.add(call_id)
+        self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="completed", output=output)
+        return ToolResultPart(call_id=call_id, tool_name=tool_name, outcome="success", output=output)
 
     async def _needs_approval(self, call: ToolCallPart) -> bool:
         rule = self.env.settings.tool_approval
@@ -1130,6 +1134,7 @@ class _Execution:
             raise
         except Exception as error:  # the view could not be read or projected
             raise _Failure("runtime_failure", error) from error
+        settings = self.env.settings
         ctx = StepContext(
             step=step,
             run=self.run,
@@ -1139,7 +1144,8 @@ class _Execution:
             messages=messages,
             active_tools=list(by_name),
             parts=tuple(self.parts),
-            context_usage=self._context_usage(model),
+            # only application hooks read it: none, no figures to gather
+            context_usage=self._context_usage(model) if settings.prepare_step or settings.stop_policies else None,
         )
         if self.env.settings.prepare_step is not None:
             changes = await self._callback(self.env.settings.prepare_step, ctx)
@@ -1264,18 +1270,20 @@ class _Execution:
                 instruction_parts=request_instruction_parts(ctx.instructions),
             )
             try:
-                response, first = await self._stream(operation, ctx.model, ctx.messages, params)
+                response, first_at = await self._stream(operation, ctx.model, ctx.messages, params)
             except _Failure as failure:
                 self._step_finished(step, ctx.model, failure.response)
                 if await self._retry(failure, step, attempt_start):
                     continue
                 self.parts.extend(failure.partial)
                 raise
+            # the first-output phase as a record: only its events need one (its time is in the completion)
+            publishing = env.publishing or env.operator_publishing
+            first = _first_output(operation, first_at) if first_at is not None and publishing else None
             self._step_finished(step, ctx.model, response, first)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
-            first_at = first.first_output_at if first is not None else None
             completed = evolve(operation, {"phase": "completed", "finished_at": _now(), "first_output_at": first_at})
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
             if not calls:  # the last step: its finish is written by the terminal commit, right after
@@ -1525,13 +1533,32 @@ def call_idempotency_key(conversation_id: str, run_id: str, call_id: str) -> str
     return f"tl-{digest[:40]}"
 
 
+_TAIL_DRAFT = Message(
+    id="-",
+    conversation_id="-",
+    role="assistant",
+    status="completed",
+    parts=(),
+    run_id="-",
+    created_at=TEMPLATE_TIME,
+    seq=0,
+)
+"""What a run's own answer is projected as in its requests (``_Execution._history`` copies it; the run's
+fields are validated already)."""
+
+_MODEL_REQUEST = RunOperation(
+    kind="model-request", phase="started", operation_id="-", step=0, attempt=1, started_at=TEMPLATE_TIME
+)
+
+
+def _first_output(operation: RunOperation, at: datetime) -> RunOperation:
+    """``operation``'s ``first-output`` phase, first output at ``at``."""
+    return evolve(operation, {"phase": "first-output", "first_output_at": at})
+
+
 def model_request(step: int, attempt: int = 1) -> RunOperation:
     """A ``model-request`` operation in its ``started`` phase: what a request's durable admission records."""
-    return RunOperation(
-        kind="model-request",
-        phase="started",
-        operation_id=new_id(),
-        step=step,
-        attempt=attempt,
-        started_at=_now(),
-    )
+    changes = {"operation_id": new_id(), "step": step, "attempt": attempt, "started_at": _now()}
+    if type(step) is int and type(attempt) is int:  # a copy of the template: nothing here needs validating
+        return build(_MODEL_REQUEST, changes)
+    return RunOperation(kind="model-request", phase="started", **changes)  # type: ignore[arg-type]

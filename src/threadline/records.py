@@ -12,20 +12,39 @@ position and are ordered after the settled ones by run execution order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeAlias, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from ._evolve import evolve as evolve
+from ._evolve import build as build, evolve as evolve
 from .errors import AgentRecordSchemaVersionError
-from .usage import AgentUsage
+from .usage import AgentUsage, stored_usage
+
+STORAGE = object()
+"""The serialization ``context`` of a record's stored JSON (``threadline.store.codec``): a run row keeps its
+usage in a compact form that reads back to the same record."""
 
 SCHEMA_VERSION = 1
 """The schema version every record written by this threadline carries."""
 
 Timestamp: TypeAlias = datetime
 """Timestamps are timezone-aware UTC datetimes, passed into the reducer as arguments."""
+
+TEMPLATE_TIME: Timestamp = datetime(1970, 1, 1, tzinfo=UTC)
+"""The placeholder time of template records (the reducer copies templates with :func:`evolve` rather than
+validate what it built itself; it reads no clock)."""
 
 
 class _Record(BaseModel):
@@ -225,8 +244,9 @@ class Message(_Durable):
     @property
     def sort_key(self) -> tuple[int, int, int, int]:
         """Order of settled messages: band, position, summaries after what they replaced, insertion."""
-        assert self.position is not None, "only settled messages have a sort key"
-        return (0 if self.band == "lead" else 1, self.position, 1 if self.role == "summary" else 0, self.seq)
+        f = self.__dict__  # (one pydantic attribute hook, not four: the view sorts by it)
+        assert f["position"] is not None, "only settled messages have a sort key"
+        return (0 if f["band"] == "lead" else 1, f["position"], 1 if f["role"] == "summary" else 0, f["seq"])
 
 
 class MessageDraft(_Record):
@@ -362,6 +382,14 @@ class Run(_Durable):
     version: int = Field(default=0, ge=0)
     """The conversation version that last wrote this row."""
 
+    @field_serializer("usage", mode="wrap")
+    def _usage_json(  # type: ignore[no-untyped-def]  # no return annotation: the JSON schema stays the usage's
+        self, usage: AgentUsage, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ):
+        if info.context is STORAGE:
+            return stored_usage(usage)  # what differs from the defaults; validates back to an equal usage
+        return usage  # serialized as itself, as without this serializer (``handler`` would cost a round trip)
+
     @model_validator(mode="after")
     def _consistent(self) -> Run:
         problem = run_invariant_problem(self)
@@ -391,21 +419,24 @@ class Run(_Durable):
 
 
 def run_invariant_problem(run: Run) -> str | None:
-    """Why ``run`` is not a consistent record, or None. Shared by the schema and the reducer."""
-    if run.state in ACTIVE_RUN_STATES:
-        if run.terminal_reason is not None:
-            return f"an active run ({run.state}) has no terminal_reason"
-        if run.state in ACQUIRED_RUN_STATES and (run.owner_id is None or run.execution_sequence is None):
-            return f"a {run.state} run has an owner_id and an execution_sequence"
+    """Why ``run`` is not a consistent record, or None. Shared by the schema and the reducer (which checks
+    every run it changes: the fields are read from ``__dict__``, cheaper than pydantic's attribute hook)."""
+    f = run.__dict__
+    state, reason = f["state"], f["terminal_reason"]
+    if state in ACTIVE_RUN_STATES:
+        if reason is not None:
+            return f"an active run ({state}) has no terminal_reason"
+        if state in ACQUIRED_RUN_STATES and (f["owner_id"] is None or f["execution_sequence"] is None):
+            return f"a {state} run has an owner_id and an execution_sequence"
         return None
-    if run.terminal_reason is None:
-        return f"a terminal run ({run.state}) has a terminal_reason"
-    expected = RUN_STATE_FOR_REASON[run.terminal_reason]
-    if expected != run.state:
-        return f"terminal_reason {run.terminal_reason!r} implies state {expected!r}, not {run.state!r}"
-    if (run.terminal_reason == "absorbed") != (run.absorbed_into_run_id is not None):
+    if reason is None:
+        return f"a terminal run ({state}) has a terminal_reason"
+    expected = RUN_STATE_FOR_REASON[reason]
+    if expected != state:
+        return f"terminal_reason {reason!r} implies state {expected!r}, not {state!r}"
+    if (reason == "absorbed") != (f["absorbed_into_run_id"] is not None):
         return "absorbed_into_run_id is set exactly when terminal_reason is 'absorbed'"
-    if run.terminal_reason == "policy_stop" and not run.policy_name:
+    if reason == "policy_stop" and not f["policy_name"]:
         return "a policy_stop run names its policy_name"
     return None
 

@@ -63,7 +63,7 @@ from .loop import (
 )
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
-from .records import Message, Run, RunOperation, validate_parts
+from .records import TEMPLATE_TIME, Message, Run, RunOperation, build, validate_parts
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
@@ -250,6 +250,36 @@ class AgentRuntimeResult(BaseModel):
         return self.answered_by_run_id is not None
 
 
+# What a turn's admission and result are copied from (``build``): every value comes from store records or
+# the loop's own figures, so validating them again would only cost (about twice as much as the copy).
+_TEMPLATE_RUN = Run(
+    id="-",
+    conversation_id="-",
+    state="queued",
+    revision=1,
+    input_message_ids=("-",),
+    assistant_message_id="-",
+    admission_sequence=1,
+    created_at=TEMPLATE_TIME,
+    updated_at=TEMPLATE_TIME,
+)
+_TEMPLATE_INPUT = Message(id="-", conversation_id="-", role="user", status="committed", created_at=TEMPLATE_TIME, seq=0)
+_PENDING = PendingAssistant(id="-", run_id="-")
+_ADMISSION = AgentAdmission(
+    outcome="accepted", input=_TEMPLATE_INPUT, run=_TEMPLATE_RUN, pending=_PENDING, version=0, coalesced=False
+)
+_METRICS = AgentRunMetrics(steps=0, usage=AgentUsage())
+_RESULT = AgentRuntimeResult(
+    terminal_reason="",
+    run=_TEMPLATE_RUN,
+    assistant=None,
+    usage=AgentUsage(),
+    policy_name=None,
+    metrics=None,
+    answered_by_run_id=None,
+)
+
+
 class AgentRuntimeCloseResult(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -307,14 +337,17 @@ def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> An
         answered_by = run.absorbed_into_run_id
     else:
         answered_by = run.id if run.state == "completed" else None
-    return AgentRuntimeResult(
-        terminal_reason=run.terminal_reason or "",
-        run=run,
-        assistant=assistant,
-        usage=run.usage,
-        policy_name=run.policy_name,
-        metrics=metrics,
-        answered_by_run_id=answered_by,
+    return build(
+        _RESULT,
+        {
+            "terminal_reason": run.terminal_reason or "",
+            "run": run,
+            "assistant": assistant,
+            "usage": run.usage,
+            "policy_name": run.policy_name,
+            "metrics": metrics,
+            "answered_by_run_id": answered_by,
+        },
     )
 
 
@@ -652,13 +685,16 @@ class AgentRuntime:
                 raise
             return
         run = accepted.run
-        admission = AgentAdmission(
-            outcome=accepted.outcome,
-            input=accepted.receipt.input,
-            run=run,
-            pending=PendingAssistant(id=accepted.receipt.assistant_message_id, run_id=run.id),
-            version=accepted.version,
-            coalesced=accepted.coalesced,
+        admission = build(
+            _ADMISSION,
+            {
+                "outcome": accepted.outcome,
+                "input": accepted.receipt.input,
+                "run": run,
+                "pending": build(_PENDING, {"id": accepted.receipt.assistant_message_id, "run_id": run.id}),
+                "version": accepted.version,
+                "coalesced": accepted.coalesced,
+            },
         )
         ticket.admission.set_result(admission)
         if self.publishing:
@@ -881,7 +917,7 @@ class AgentRuntime:
                 ),
             )
             return Step.STOP
-        metrics = AgentRunMetrics(steps=outcome.steps, usage=outcome.usage) if outcome.committed else None
+        metrics = build(_METRICS, {"steps": outcome.steps, "usage": outcome.usage}) if outcome.committed else None
         result = _result_from(outcome.run, outcome.assistant, metrics)
         if outcome.committed:
             if self._foreign_queue(lane, outcome.run):

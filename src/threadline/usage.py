@@ -65,7 +65,8 @@ Audio token counts are not exposed: threadline sends and renders no audio, and t
 the input and output totals.
 
 Addition is associative, and ``AgentUsage()`` (no steps) contributes nothing, so a run total is
-``functools.reduce(operator.add, steps, AgentUsage())`` in any grouping. Usage is not written to the store.
+``functools.reduce(operator.add, steps, AgentUsage())`` in any grouping. A run's cumulative usage is stored
+with its row (:attr:`threadline.records.Run.usage`), in the compact form of :func:`stored_usage`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ._evolve import evolve
+from ._evolve import build, evolve
 
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelResponse
@@ -228,35 +229,41 @@ class AgentUsage(BaseModel):
 
     def _cost_poisoned(self) -> bool:
         """Whether a step inside this usage has no usable cost (unreported, or a currency clash)."""
-        return self.cost.amount is None and self.steps > 0
+        fields = self.__dict__
+        return fields["cost"].__dict__["amount"] is None and fields["steps"] > 0
 
     def __add__(self, other: object) -> AgentUsage:
         if not isinstance(other, AgentUsage):
             return NotImplemented
         # one pass, no helper calls: a run adds every step's usage (``_token_missing`` and
         # ``_total_provenance`` say the same rules one field at a time)
+        # (fields are read from the records' ``__dict__``: pydantic's attribute hook costs several dict lookups)
         figures: dict[str, Any] = {}
         mine, theirs = self.__dict__, other.__dict__
-        my_steps, their_steps = self.steps > 0, other.steps > 0
+        my_steps, their_steps = mine["steps"] > 0, theirs["steps"] > 0
         for name in TOKEN_FIELDS:
             a, b = mine[name], theirs[name]
-            av, bv = a.value, b.value
+            if a is _UNAVAILABLE and b is _UNAVAILABLE:  # the shared figure of a field nobody reported
+                figures[name] = _UNAVAILABLE
+                continue
+            a, b = a.__dict__, b.__dict__
+            av, bv = a["value"], b["value"]
             if av is None:
                 if bv is None:
                     figures[name] = _UNAVAILABLE
                     continue
-                value, estimated = bv, b.provenance == "estimated"
+                value, estimated = bv, b["provenance"] == "estimated"
             elif bv is None:
-                value, estimated = av, a.provenance == "estimated"
+                value, estimated = av, a["provenance"] == "estimated"
             else:
-                value, estimated = av + bv, a.provenance == "estimated" or b.provenance == "estimated"
-            missing = a.floor or b.floor or (av is None and my_steps) or (bv is None and their_steps)
+                value, estimated = av + bv, a["provenance"] == "estimated" or b["provenance"] == "estimated"
+            missing = a["floor"] or b["floor"] or (av is None and my_steps) or (bv is None and their_steps)
             figures[name] = _figure(value, "estimated" if estimated else "computed", missing)
         figures["cost"] = self._add_cost(other)
-        figures["steps"] = self.steps + other.steps
-        figures["complete"] = self.complete and other.complete
+        figures["steps"] = mine["steps"] + theirs["steps"]
+        figures["complete"] = mine["complete"] and theirs["complete"]
         # every value above is already a valid field value: no need to validate the sum again
-        return evolve(NO_USAGE, figures)
+        return build(_SUM, figures)
 
     def __radd__(self, other: object) -> AgentUsage:
         if other == 0:  # sum(usages) starts from 0
@@ -326,9 +333,57 @@ def _estimated_cost(response: ModelResponse) -> AgentCost | None:
     return AgentCost(amount=amount, currency=USD, provenance="estimated") if amount is not None else None
 
 
+_STORED: dict[int, tuple[AgentUsage, dict[str, Any]]] = {}
+_STORED_LIMIT = 512
+
+
+def stored_usage(usage: AgentUsage) -> dict[str, Any]:
+    """``usage`` as a stored run row keeps it: only what differs from the defaults of ``AgentUsage()``, so it
+    validates back to an equal record (a run row is written several times a turn, and the full form of
+    five figures and a cost is half of its JSON even when nothing was spent). Remembered per usage
+    record (frozen, of frozen figures): a run's rows carry the same one until it spends again."""
+    known = _STORED.get(id(usage))
+    if known is not None and known[0] is usage:
+        return known[1]
+    if len(_STORED) >= _STORED_LIMIT:
+        _STORED.clear()
+    out = _stored(usage)
+    _STORED[id(usage)] = (usage, out)
+    return out
+
+
+def _stored(usage: AgentUsage) -> dict[str, Any]:
+    fields = usage.__dict__
+    out: dict[str, Any] = {}
+    for name in TOKEN_FIELDS:
+        figure = fields[name]
+        if figure is _UNAVAILABLE:  # the shared figure of the usual case: nothing to keep
+            continue
+        f = figure.__dict__
+        value, provenance, floor = f["value"], f["provenance"], f["floor"]
+        if value is None and provenance == "unavailable" and not floor:
+            continue
+        entry: dict[str, Any] = {} if value is None else {"value": value}
+        if provenance != "unavailable":
+            entry["provenance"] = provenance
+        if floor:
+            entry["floor"] = True
+        out[name] = entry
+    cost = fields["cost"]
+    if cost is not _NO_COST and cost != _NO_COST:
+        out["cost"] = cost
+    if fields["steps"]:
+        out["steps"] = fields["steps"]
+    if not fields["complete"]:
+        out["complete"] = False
+    return out
+
+
 _NO_COST = AgentCost()
 _UNAVAILABLE = _figure(None, "unavailable")
 NO_USAGE = AgentUsage()
 """Nothing spent yet (frozen, so one instance serves every run)."""
 _ONE_STEP = AgentUsage(steps=1, **dict.fromkeys(TOKEN_FIELDS, _UNAVAILABLE))  # every field set: evolve shares it
+_SUM = AgentUsage(cost=_NO_COST, steps=0, complete=True, **dict.fromkeys(TOKEN_FIELDS, _UNAVAILABLE))
+"""What a sum is built from (``build``): every field set, as a sum sets every field."""
 _UNREPORTED = AgentUsage(steps=1, complete=False)

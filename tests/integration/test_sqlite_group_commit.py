@@ -1,6 +1,7 @@
 """Group commit in the SQLite driver, on real files.
 
-The worker runs the jobs waiting in its queue in one transaction, each operation isolated by a savepoint.
+The worker runs the jobs waiting in its queue in one transaction; an operation that fails after it wrote
+rolls it back, and what ran after the first write runs again in the next one.
 To make a batch deterministic, a *gate* (a blocking call handed to the worker through ``driver._call``)
 holds the worker thread, and with it the connection, until the test opens it; every operation started
 meanwhile is queued (none can run on the calling thread while the worker holds the connection), and the
@@ -24,11 +25,12 @@ import pytest
 
 from threadline.errors import (
     AgentConversationPurgedError,
+    AgentIdempotencyConflictError,
     AgentRecordValidationError,
     AgentStoreBusyError,
     AgentStoreUnavailableError,
 )
-from threadline.records import ConversationHead, Message, TextPart
+from threadline.records import ConversationHead, Message, RunOperation, TextPart
 from threadline.store import AgentRuntimeStore
 from threadline.store.driver import LoadHead, Mutation, OperationStats, Write
 from threadline.store.sqlite import SqliteStoreDriver, create_sqlite_agent_runtime_store
@@ -85,9 +87,11 @@ async def settle(tasks: list[asyncio.Future[Any]]) -> list[Any]:
     return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
 
 
-def accept(store: AgentRuntimeStore, cid: str, key: str) -> Any:
+def accept(store: AgentRuntimeStore, cid: str, key: str, input_id: str | None = None) -> Any:
     return store.accept_input_and_assign_run(
-        conversation_id=cid, idempotency_key=key, input={"id": f"{cid}:{key}", "parts": text(f"input {key}")}
+        conversation_id=cid,
+        idempotency_key=key,
+        input={"id": input_id or f"{cid}:{key}", "parts": text(f"input {key}")},
     )
 
 
@@ -183,7 +187,9 @@ async def test_a_failing_operation_leaves_no_trace_and_its_batch_commits(db: Pat
                 accept(store, "c1", "k4"),
             )
         first, raised, second, guarded, refused, third = await settle(tasks)
-        assert driver.transactions - transactions == 1  # all six shared one transaction
+        # the ghost fails after writing: its transaction is rolled back, and k1 (which wrote before it) and
+        # the rest run in a second one, which the phantom ends the same way; the third commits the rest
+        assert driver.transactions - transactions == 3
         assert isinstance(raised, RuntimeError)
         assert isinstance(guarded, AgentConversationPurgedError)
         assert isinstance(refused, AgentConversationPurgedError)
@@ -194,6 +200,74 @@ async def test_a_failing_operation_leaves_no_trace_and_its_batch_commits(db: Pat
         assert len((await again.store.list_active_runs(conversation_id="c1")).runs) == 2
         assert len((await again.store.list_active_runs(conversation_id="c2")).runs) == 1
         assert (await again.store.load_snapshot(conversation_id="ghost")).version == 0
+
+
+async def test_what_ran_after_the_first_write_runs_again_after_a_failed_write(db: Path) -> None:
+    """An operation that fails after writing rolls its transaction back; the answers that came after the
+    first write of that transaction (a read that saw it, and a conflict decided on it too) are void and
+    the operations run again, in their order, counting their rows once; a read before any write stands."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        await accept(store, "c", "k0")
+        async with Gate(driver):
+            transactions = driver.transactions
+            tasks = queue(
+                store.list_active_runs(conversation_id="c"),  # before any write: its answer stands
+                accept(store, "c", "k1"),
+                store.list_active_runs(conversation_id="c"),  # saw k1's uncommitted run
+                accept(store, "c", "k1"),  # the same key again: a duplicate of the uncommitted admission
+                driver.run(lambda: writes_then_raises("ghost"), access="write", stats=OperationStats()),
+                accept(store, "c", "k2"),
+            )
+        before, first, seen, again, raised, second = await settle(tasks)
+        assert driver.transactions - transactions == 2
+        assert isinstance(raised, RuntimeError)
+        assert len(before.runs) == 1 and len(seen.runs) == 2
+        assert (first.outcome, again.outcome, second.outcome) == ("accepted", "duplicate", "accepted")
+        assert again.run.id == first.run.id and (first.version, second.version) == (2, 3)
+        stats = store.metrics["accept_input_and_assign_run"]
+        assert (stats.calls, stats.rows_written) == (4, 3 * 4)  # the rows of three admissions, once each
+    assert heads_in(db) == {"c"}
+
+
+async def test_a_row_missing_behind_the_connection_is_written_again_whole(db: Path) -> None:
+    """The driver rewrites the rows it remembers writing with an UPDATE; one that is not there (deleted on
+    its own connection, so nothing told it) is upserted instead, never lost."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store, driver = sqlite.store, sqlite.driver
+        accepted = await accept(store, "c", "k1")
+        started = RunOperation(kind="model-request", phase="started", operation_id="op", started_at=NOW)
+        acquired = await store.acquire_run(
+            conversation_id="c",
+            run_id=accepted.run.id,
+            expected_revision=accepted.run.revision,
+            owner_id="o",
+            operation=started,
+        )
+        conn = driver._rows.conn
+
+        def delete_behind() -> None:
+            for table in ("conversations", "runs", "messages"):
+                conn.execute(f"DELETE FROM threadline_{table} WHERE conversation_id = 'c'")
+
+        await driver._call(delete_behind)
+        done = await store.checkpoint_run_assistant(
+            conversation_id="c",
+            run_id=acquired.run.id,
+            expected_revision=acquired.run.revision,
+            owner_id="o",
+            fencing_token=acquired.run.fencing_token,
+            parts=text("draft"),
+        )
+    async with create_sqlite_agent_runtime_store(filename=db) as again:
+        loaded = await again.store.load_run(conversation_id="c", run_id=accepted.run.id)
+        assert loaded is not None and loaded.run == done.run and loaded.version == done.version
+        snapshot = await again.store.load_snapshot(conversation_id="c")
+        assert [m.id for m in snapshot.messages] == [done.assistant.id]  # type: ignore[union-attr]
+        assert snapshot.messages[0] == done.assistant
+        # the lookup by answer id reads the column the upsert wrote
+        with pytest.raises(AgentIdempotencyConflictError):
+            await accept(again.store, "c", "k2", input_id=done.run.assistant_message_id)
 
 
 async def test_a_search_in_a_batch_sees_what_the_operations_before_it_settled(db: Path) -> None:
@@ -213,11 +287,13 @@ async def test_a_search_in_a_batch_sees_what_the_operations_before_it_settled(db
                 await asyncio.sleep(0)
             searches = queue(sqlite.search_messages("c", "walrus"), sqlite.search_messages("c", "narwhal"))
         seeded, raised, found, ghost = await settle(writes + searches)
-        assert driver.transactions - transactions == 1  # all four shared one transaction
+        # the narwhal fails after writing: its transaction is rolled back, and the seed (written before it)
+        # and the searches run again in a second one
+        assert driver.transactions - transactions == 2
         assert seeded.outcome == "seeded", seeded
         assert isinstance(raised, RuntimeError)
         assert [m.id for m in found] == ["s1"]
-        assert ghost == []  # rolled back with its operation's savepoint, index note included
+        assert ghost == []  # rolled back with its transaction, index note included
         assert [m.id for m in await sqlite.search_messages("c", "walrus")] == ["s1"]
     conn = sqlite3.connect(db)
     try:  # every note was indexed before COMMIT: none is left behind

@@ -347,11 +347,19 @@ async def test_a_version_1_file_is_migrated_forward_and_keeps_everything(db: Pat
         assert conn.execute("SELECT count(*) FROM threadline_fts_queue").fetchone() == (0,)
         indexed = conn.execute("SELECT message_id FROM threadline_message_fts ORDER BY message_id").fetchall()
         assert indexed == [("o1:in",), ("o1:out",), ("o2:in",), ("o2:out",)]
+        # every run kept from version 1 has its answer id in the column the lookup by answer id reads
+        unfilled = (
+            "SELECT count(*) FROM threadline_runs "
+            "WHERE assistant_message_id IS NOT json_extract(body, '$.assistant_message_id')"
+        )
+        assert conn.execute(unfilled).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM threadline_runs").fetchone()[0] > 0
     finally:
         conn.close()
     assert set(after) - set(before) == {"threadline_fts_queue", "threadline_runs_assistant"}
     changed = {name for name in before if before[name] != after[name]}
-    assert changed == {f"threadline_messages_fts_{t}" for t in ("insert", "update", "delete")}
+    # the runs table gained its assistant_message_id column
+    assert changed == {"threadline_runs", *(f"threadline_messages_fts_{t}" for t in ("insert", "update", "delete"))}
     async with create_sqlite_agent_runtime_store(filename=db):  # reopening migrates nothing more
         pass
     assert schema_objects(db) == after
@@ -776,6 +784,40 @@ async def test_a_record_a_caller_changed_in_place_is_not_what_the_store_reads_ba
         stored = {m.id: m for m in (await store.load_snapshot(conversation_id="c")).messages}
         assert stored[done.assistant.id].parts[0].input == {"query": "kept"}
         assert stored["t:in"].metadata == {"a": 1}
+
+
+async def test_a_change_in_place_that_compares_equal_is_seen_too(db: Path) -> None:
+    """What a caller may change in place is compared exactly, as JSON would tell it: ``1`` and ``True``
+    are equal in Python, not in the stored row; an empty metadata that gained a key is a change too."""
+    call = [{"type": "tool-call", "call_id": "c1", "tool_name": "lookup", "input": {"n": 1, "ok": [True]}}]
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        store = sqlite.store
+        accepted, written = await drafted(store, "c", "t", parts=call)
+        assert written.assistant is not None
+        written.assistant.parts[0].input["n"] = True
+        written.assistant.parts[0].input["ok"][0] = 1
+        accepted.receipt.input.metadata["gained"] = "a key"
+        done = await finish(store, written)
+        assert done.assistant is not None
+        assert done.assistant.parts[0].input == {"n": 1, "ok": [True]}
+        assert type(done.assistant.parts[0].input["n"]) is int and done.assistant.parts[0].input["ok"][0] is True
+        stored = {m.id: m for m in (await store.load_snapshot(conversation_id="c")).messages}
+        assert stored["t:in"].metadata == {}
+
+
+def test_every_json_value_a_part_holds_is_compared_before_a_known_message_is_trusted() -> None:
+    """The driver snapshots what of a known message could change in place (``_mutable``): every part field
+    holding a JSON value must be among those it reads, or a change to it would go unseen."""
+    import typing
+
+    from threadline.records import Part
+    from threadline.store.sqlite import _CONTAINERS
+
+    for cls in typing.get_args(typing.get_args(Part)[0]):
+        json_fields = {name for name, info in cls.model_fields.items() if "JsonValue" in str(info.annotation)}
+        assert json_fields <= {_CONTAINERS.get(cls)}, cls
+        if "envelope" in cls.model_fields:  # read from every part that has one
+            assert "ProviderEnvelope" in str(cls.model_fields["envelope"].annotation), cls
 
 
 async def test_settled_messages_are_not_kept_in_memory(db: Path) -> None:

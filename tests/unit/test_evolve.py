@@ -46,3 +46,57 @@ def test_evolve_keeps_the_record_frozen_and_hashable_like_its_source() -> None:
     with pytest.raises(ValidationError, match="frozen"):
         bumped.version = 3  # type: ignore[misc]
     assert ConversationHead.model_validate_json(bumped.model_dump_json()) == bumped
+
+
+async def test_records_the_reducer_copies_from_templates_are_what_validation_gives() -> None:
+    """The reducer builds the records of a turn by copying templates (``build``), not by validating: each
+    must equal its validated construction, report the same fields as set, and share no mutable field with
+    another record (two drafts' metadata dicts are distinct)."""
+    from threadline.loop import model_request
+    from threadline.store import create_memory_agent_runtime_store
+
+    store = create_memory_agent_runtime_store()
+    first = model_request(0)
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c", idempotency_key="k", input={"parts": [{"type": "text", "text": "q"}]},
+        start_for="owner", operation=first,
+    )  # fmt: skip
+    other = await store.accept_input_and_assign_run(
+        conversation_id="d", idempotency_key="k", input={"parts": [{"type": "text", "text": "q"}]},
+        start_for="owner", operation=model_request(0),
+    )  # fmt: skip
+    run = accepted.run
+    done = await store.checkpoint_run_assistant(
+        conversation_id="c", run_id=run.id, expected_revision=run.revision, owner_id="owner",
+        fencing_token=run.fencing_token, parts=[{"type": "text", "text": "a"}],
+    )  # fmt: skip
+    ended = await store.commit_run_terminal(
+        conversation_id="c", run_id=run.id, expected_revision=done.run.revision, owner_id="owner",
+        fencing_token=run.fencing_token, terminal_reason="success",
+    )  # fmt: skip
+    loaded = await store.load_run(conversation_id="c", run_id=run.id)
+    assert loaded is not None
+    for record in (first, accepted, accepted.receipt, accepted.receipt.input, done, ended, loaded):
+        validated = type(record).model_validate(dict(record))
+        assert validated == record and record.model_validate_json(record.model_dump_json()) == record
+        assert record.model_fields_set <= set(type(record).model_fields), record
+    assert first.model_fields_set == {"kind", "phase", "operation_id", "step", "attempt", "started_at"}
+    assert accepted.model_fields_set == {"outcome", "receipt", "run", "version", "coalesced"}
+    assert accepted.receipt.model_fields_set == {
+        "conversation_id", "idempotency_key", "input", "run_id", "assistant_message_id", "version", "created_at",
+    }  # fmt: skip
+    assert "metadata" in accepted.receipt.input.model_fields_set
+    # two drafts made from the template hold a dict each
+    drafts = []
+    for cid in ("e", "f"):
+        queued = await store.accept_input_and_assign_run(
+            conversation_id=cid, idempotency_key="k", input={"parts": [{"type": "text", "text": "q"}]}
+        )
+        acquired = await store.acquire_run(
+            conversation_id=cid, run_id=queued.run.id, expected_revision=queued.run.revision, owner_id="owner",
+            operation=model_request(0),
+        )  # fmt: skip
+        assert acquired.assistant is not None and "metadata" not in acquired.assistant.model_fields_set
+        drafts.append(acquired.assistant)
+    assert drafts[0].metadata == drafts[1].metadata == {} and drafts[0].metadata is not drafts[1].metadata
+    assert other.receipt.input.metadata is not accepted.receipt.input.metadata

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -152,15 +152,17 @@ _STATUS_MARKER = {"interrupted": INTERRUPTED_MARKER, "failed": FAILED_MARKER}
 _PROJECTED_REASON = {"completed": "projected", "interrupted": "interrupted", "failed": "failed-evidence"}
 
 
-@dataclass
 class _Step:
     """One model step of an assistant run: its response, then the request that answered it."""
 
-    response: list[Any] = field(default_factory=list)
-    pending: dict[str, str] = field(default_factory=dict)
-    returns: list[ToolReturnPart] = field(default_factory=list)
-    users: list[str] = field(default_factory=list)
-    closed: bool = False
+    __slots__ = ("closed", "pending", "response", "returns", "users")  # several per projected assistant
+
+    def __init__(self) -> None:
+        self.response: list[Any] = []
+        self.pending: dict[str, str] = {}
+        self.returns: list[ToolReturnPart] = []
+        self.users: list[str] = []
+        self.closed = False
 
 
 class _Overlay:
@@ -213,9 +215,10 @@ class _Projector:
         Only a completed run's terminal commit absorbs joined input (DESIGN §4); the marker on any other
         assistant is ignored and the input stays where it is, an ordinary input."""
         for m in messages:
-            if not (m.active and m.role == "assistant" and m.status == "completed"):
+            f = m.__dict__  # (pydantic's attribute hook per read: a message's fields are read as a dict)
+            if f["role"] != "assistant" or f["status"] != "completed" or not f["active"]:
                 continue
-            for part in m.parts:
+            for part in f["parts"]:
                 if part.type != "input-joined":
                     continue
                 for uid in part.message_ids:
@@ -226,24 +229,27 @@ class _Projector:
 
     def extend(self, messages: Sequence[Message]) -> None:
         """Project ``messages`` (causal order) after everything projected so far."""
+        live = self.live
         for m in messages:
-            if m.active:
-                self.live[m.id] = m
+            if m.__dict__["active"]:
+                live[m.__dict__["id"]] = m
         self._claim_joined_inputs(messages)
         for m in messages:
-            if not m.active:
+            f = m.__dict__
+            role = f["role"]
+            if not f["active"]:
                 self._decide(m, "omitted", "compacted")
-            elif m.role == "user":
-                if m.id not in self.taken:  # else placed at its step boundary by the assistant that absorbed it
+            elif role == "user":
+                if f["id"] not in self.taken:  # else placed at its step boundary by the assistant that absorbed it
                     self._user(m)
-            elif m.role in ("system", "summary"):
+            elif role in ("system", "summary"):
                 text = "\n".join(p.text for p in m.parts if p.type == "text" and p.text)
                 if text:
                     self.system.append(text)
                     self._decide(m, "projected", "system-channel")
                 else:
                     self._decide(m, "omitted", "empty")
-            elif m.role == "tool":
+            elif role == "tool":
                 self._decide(m, "omitted", "tool-message", detail="approval responses are not projected yet")
             else:
                 self._assistant(m)
@@ -386,26 +392,32 @@ class _Projector:
         dangling = False
         # a call that asked for approval is suspended, not dangling: it is not sent here; the run that
         # carries the approval response records the call again with its result (or the denial)
-        answered = {p.call_id for p in m.parts if p.type == "tool-result"}
-        awaiting = {p.call_id for p in m.parts if p.type == "approval-request"} - answered
-        for part in m.parts:
+        parts = m.parts
+        kinds = [p.type for p in parts]  # read once: a record's attribute costs a pydantic hook each time
+        awaiting: set[str] = set()
+        if "approval-request" in kinds:
+            answered = {p.call_id for p, kind in zip(parts, kinds, strict=True) if kind == "tool-result"}
+            awaiting = {
+                p.call_id for p, kind in zip(parts, kinds, strict=True) if kind == "approval-request"
+            } - answered
+        for part, kind in zip(parts, kinds, strict=True):
             step = steps[-1]
-            if part.type == "tool-call" and part.call_id in awaiting:
+            if kind == "tool-call" and awaiting and part.call_id in awaiting:
                 _note(omitted, "tool-call")
                 continue
-            if part.type in ("text", "reasoning", "tool-call") and step.closed:
+            if kind in ("text", "reasoning", "tool-call") and step.closed:
                 steps.append(step := _Step())
-            if part.type == "text":
+            if kind == "text":
                 text = self._text(part)
                 if text is not None:
                     step.response.append(text)
-            elif part.type == "reasoning":
+            elif kind == "reasoning":
                 thinking = self._thinking(part)
                 if thinking is None:
                     _note(omitted, "reasoning")
                 else:
                     step.response.append(thinking)
-            elif part.type == "tool-call":
+            elif kind == "tool-call":
                 if part.call_id in self.call_ids:
                     problems.append(f"dropped duplicate call id {part.call_id!r}")
                     _note(omitted, "tool-call")
@@ -414,7 +426,7 @@ class _Projector:
                 self.call_ids.add(part.call_id)
                 step.pending[part.call_id] = part.tool_name
                 step.response.append(self._call(part))
-            elif part.type == "tool-result":
+            elif kind == "tool-result":
                 step.closed = True
                 problem = _unmatched(step.pending, part)
                 if problem is not None:
@@ -423,13 +435,13 @@ class _Projector:
                     continue
                 del step.pending[part.call_id]
                 step.returns.append(_return(part))
-            elif part.type == "input-joined":
+            elif kind == "input-joined":
                 ids = [i for i in part.message_ids if i in joined and not any(i in s.users for s in steps)]
                 if ids:
                     step.closed = True
                     step.users.extend(ids)
-            elif part.type != "control":
-                _note(omitted, part.type)
+            elif kind != "control":
+                _note(omitted, kind)
         for step in steps:
             if not step.pending:
                 continue

@@ -70,6 +70,19 @@ _CONTRIBUTION_KEYS = {"name", "stability", "render", "source"}
 TextCounter = Callable[[str], "int | None"]
 """Counts the tokens of a text for the selected model; ``None`` means it cannot."""
 
+_INSTRUCTION_PART: Any = None
+
+
+def _instruction_part() -> Any:
+    """pydantic-ai's ``InstructionPart``, imported on first use and kept (an import statement in the
+    functions of every step costs more than the part it builds)."""
+    global _INSTRUCTION_PART
+    if _INSTRUCTION_PART is None:
+        from pydantic_ai.messages import InstructionPart
+
+        _INSTRUCTION_PART = InstructionPart
+    return _INSTRUCTION_PART
+
 
 @dataclass(frozen=True, slots=True)
 class AgentPromptContribution:
@@ -126,8 +139,7 @@ class AgentPrompt:
     def instruction_parts(self) -> list[Any]:
         """pydantic-ai ``InstructionPart`` s, one per rendered contribution in order; a ``dynamic``
         contribution is marked ``dynamic=True`` (``stable`` and ``session`` ones are a cacheable prefix)."""
-        from pydantic_ai.messages import InstructionPart
-
+        InstructionPart = _instruction_part()
         return [InstructionPart(content=c.text, dynamic=c.stability == "dynamic") for c in self.contributions]
 
     def request_parts(self) -> list[Any]:
@@ -166,8 +178,7 @@ _INSTRUCTION_FIELDS = frozenset({"content", "dynamic", "on_change", "name"})
 
 
 def _adapted_part(value: Any, where: str) -> Any:
-    from pydantic_ai.messages import InstructionPart
-
+    InstructionPart = _instruction_part()
     if isinstance(value, InstructionPart):
         return value
     if isinstance(value, str):
@@ -215,15 +226,13 @@ class AgentInstructions(str):
 def agent_instructions(prompt: AgentPrompt | str | None) -> AgentInstructions:
     """A prompt's instructions as a request sends them: an :class:`AgentPrompt` gives its text and
     :meth:`AgentPrompt.request_parts`; text is one (non-dynamic) part; None is nothing."""
-    from pydantic_ai.messages import InstructionPart
-
     if isinstance(prompt, AgentPrompt):
         return AgentInstructions(prompt.instructions, [p for p in prompt.request_parts() if p.content])
     if prompt is None or isinstance(prompt, str):
         if isinstance(prompt, AgentInstructions):
             return prompt
         text = (prompt or "").strip()
-        return AgentInstructions(text, [InstructionPart(content=text)] if text else [])
+        return AgentInstructions(text, [_instruction_part()(content=text)] if text else [])
     raise AgentRuntimeUsageError(f"prompt returns instructions text or an AgentPrompt, not {type(prompt).__name__}")
 
 
@@ -231,23 +240,19 @@ def with_history_system(instructions: str, system: Sequence[str]) -> AgentInstru
     """``instructions`` followed by the history's system channel (``AgentHistoryProjection.system``): the
     text joined by blank lines, and the system lines as one more part of their own (conversation-scoped,
     so not ``dynamic``: they belong to the cacheable prefix until the next compaction changes them)."""
-    from pydantic_ai.messages import InstructionPart
-
     base = instructions if isinstance(instructions, AgentInstructions) else agent_instructions(instructions)
     text = "\n\n".join([instructions, *system]).strip()
     if not system:
         return base if text == base else AgentInstructions(text, base.parts)
-    return AgentInstructions(text, [*base.parts, InstructionPart(content="\n\n".join(system))])
+    return AgentInstructions(text, [*base.parts, _instruction_part()(content="\n\n".join(system))])
 
 
 def request_instruction_parts(instructions: str) -> list[Any] | None:
     """``ModelRequestParameters.instruction_parts`` for a step: the parts :class:`AgentInstructions`
     carries, or the text (one part) that ``prepare_step`` put in its place; None for nothing."""
-    from pydantic_ai.messages import InstructionPart
-
     if isinstance(instructions, AgentInstructions):
         return list(instructions.parts) or None
-    return [InstructionPart(content=instructions)] if instructions else None
+    return [_instruction_part()(content=instructions)] if instructions else None
 
 
 def _count(name: str, value: int | None) -> int | None:

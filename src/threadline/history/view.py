@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from ..records import Message, Run
+from ..records import ACTIVE_RUN_STATES, Message, Run
 from ..store.driver import Purge, Write
 from ..store.results import ConversationChanges
 from .projection import AgentHistoryProjectionOptions, _Projector
@@ -49,18 +49,22 @@ class ConversationView:
         if reset:
             self._settled, self._keys, self._unsettled, self._by_id, self._runs = [], [], {}, {}, {}
             self.generation += 1
+        # (fields read from the records' ``__dict__``: a pydantic attribute costs a hook call each time)
         for run in runs:
-            if run.active:
-                self._runs[run.id] = run
+            fields = run.__dict__
+            if fields["state"] in ACTIVE_RUN_STATES:
+                self._runs[fields["id"]] = run
             else:
-                self._runs.pop(run.id, None)
-        for message in sorted(messages, key=_arrival):
-            self._remove(message.id)
-            if not message.active:
+                self._runs.pop(fields["id"], None)
+        for message in messages if len(messages) < 2 else sorted(messages, key=_arrival):
+            fields = message.__dict__
+            message_id = fields["id"]
+            self._remove(message_id)
+            if not fields["active"]:
                 continue
-            self._by_id[message.id] = message
-            if message.position is None:
-                self._unsettled[message.id] = message
+            self._by_id[message_id] = message
+            if fields["position"] is None:
+                self._unsettled[message_id] = message
                 continue
             key = message.sort_key
             if self._keys and key < self._keys[-1]:
@@ -107,17 +111,22 @@ class ConversationView:
 
     @property
     def active_runs(self) -> list[Run]:
-        return sorted(self._runs.values(), key=lambda r: r.execution_order_key)
+        runs = list(self._runs.values())
+        if len(runs) > 1:
+            runs.sort(key=lambda r: r.execution_order_key)
+        return runs
 
     def tail(self, up_to_run_id: str | None = None) -> list[Message]:
         """Unsettled messages in execution order (inputs before the assistant inside a run), up to and
         including run ``up_to_run_id`` when given."""
         out: list[Message] = []
         for run in self.active_runs:
-            mine = [m for m in self._unsettled.values() if m.run_id == run.id]
-            mine.sort(key=lambda m: (m.role == "assistant", m.seq))
+            run_id = run.id
+            mine = [m for m in self._unsettled.values() if m.__dict__["run_id"] == run_id]
+            if len(mine) > 1:
+                mine.sort(key=lambda m: (m.__dict__["role"] == "assistant", m.__dict__["seq"]))
             out.extend(mine)
-            if run.id == up_to_run_id:
+            if run_id == up_to_run_id:
                 break
         return out
 

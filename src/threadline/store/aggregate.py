@@ -343,7 +343,7 @@ class AgentRuntimeStore:
         ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
         cumulative spend."""
         try:
-            claims = _CLAIMS.validate_python(list(absorb))
+            claims = _CLAIMS.validate_python(list(absorb)) if absorb else []
         except ValidationError as error:
             raise AgentRecordValidationError(f"absorb: {error.errors()[0]['msg']}", field="absorb") from error
         op = functools.partial(

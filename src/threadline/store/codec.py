@@ -13,7 +13,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ..errors import AgentStoreCorruptRecordError
-from ..records import ConversationHead, Run, SeedRecord
+from ..records import STORAGE, ConversationHead, Run, SeedRecord
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -22,8 +22,16 @@ MAX_CACHED_ROW = 16 * 1024
 
 
 def encode(record: BaseModel) -> str:
-    """The stored JSON of ``record`` (its serializer called directly: ``model_dump_json`` without options)."""
-    return record.__pydantic_serializer__.to_json(record).decode()
+    """The stored JSON of ``record``: its serializer called directly, in the ``STORAGE`` context (a run's
+    usage is kept compact there; ``model_dump_json`` gives the same record in full)."""
+    return type(record).__pydantic_serializer__.to_json(record, context=STORAGE).decode()
+
+
+def encode_with(record: BaseModel, field: str, body: str) -> str:
+    """:func:`encode` of ``record`` when the stored JSON of its ``field`` is ``body`` already (a receipt's
+    input, written beside it): encoded once, spliced in (the field comes last; key order is not meaning)."""
+    rest = type(record).__pydantic_serializer__.to_json(record, exclude={field}, context=STORAGE).decode()
+    return f'{rest[:-1]},"{field}":{body}}}'
 
 
 def decode(model: type[M], body: object, where: str) -> M:
@@ -70,7 +78,7 @@ class RecordCache:
     def encode(self, record: BaseModel) -> str:
         """:func:`encode`, remembering the record under its body (the next read of the row needs no
         validation)."""
-        body = record.__pydantic_serializer__.to_json(record).decode()
+        body = encode(record)
         table = self.by_model.get(type(record))
         if table is not None:
             self._put(table, body, record)

@@ -5,8 +5,8 @@ row requests (``LoadHead``, ``ListActiveRuns``, ``Write`` …) and receives thei
 touches a database, a clock or a random source. A driver runs that generator inside one transaction:
 
 - a synchronous driver (memory, SQLite) implements :class:`SyncRows` and calls :func:`drive_sync`
-  (SQLite: on its connection's thread, several queued operations sharing one transaction, each under a
-  savepoint);
+  (SQLite: several queued operations sharing one transaction; one that fails after writing rolls it back,
+  and those that saw its writes run again from the start in the next);
 - an asynchronous driver (PostgreSQL) implements :class:`AsyncRows` and calls :func:`drive_async`.
 
 Because the generator is pure, a driver may run it again from the start after a serialization
@@ -301,7 +301,7 @@ class StoreDriver(Protocol):
     ``access='read'`` may use a read-only snapshot transaction; ``'write'`` must serialize with every
     other write of the same conversation (SQLite ``BEGIN IMMEDIATE``; PostgreSQL an advisory lock per
     conversation at READ COMMITTED). An exception from the operation undoes its writes (the transaction, or its
-    savepoint in a shared one) and propagates.
+    savepoint in a shared one; or the shared transaction, the others running again) and propagates.
     ``stats`` receives the rows read and written so benchmarks can count work per operation.
     """
 
@@ -393,8 +393,11 @@ def drive_sync(operation: Operation[T], rows: SyncRows, stats: OperationStats | 
             if stats is not None:
                 if kind is Write or kind is Purge:
                     _count_write(request, stats)
-                else:
-                    stats.read(request, answer)
+                else:  # OperationStats.read, inline: several reads per operation
+                    n = len(answer) if isinstance(answer, list) else (0 if answer is None else 1)
+                    stats.rows_read += n
+                    by_request = stats.by_request
+                    by_request[kind.__name__] = by_request.get(kind.__name__, 0) + n
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 

@@ -33,7 +33,9 @@ from ..errors import (
     AgentStoreConflictError,
 )
 from ..records import (
+    ACQUIRED_RUN_STATES,
     RUN_STATE_FOR_REASON,
+    TEMPLATE_TIME,
     AdmissionReceipt,
     ConversationHead,
     ConversationSnapshot,
@@ -46,6 +48,7 @@ from ..records import (
     SeedRecord,
     Timestamp,
     assistant_status_for,
+    build,
     evolve,
     run_invariant_problem,
 )
@@ -112,6 +115,73 @@ class AbsorbClaim:
 
 # ------------------------------------------------------------------------------------------- helpers
 
+# A record built from values the reducer vouches for (its own arithmetic and choices, ids and records that
+# were validated on the way in) is a copy of a template (``build``), not a validated construction: that
+# costs about three times as much, several times a turn. Each template names exactly the fields its
+# construction names, so a copy reports the same fields as set. A value that did not arrive validated (a
+# caller's run id, say) takes the validated construction instead, which refuses it as before.
+_T = TEMPLATE_TIME
+_QUEUED_RUN = Run(
+    id="-",
+    conversation_id="-",
+    state="queued",
+    revision=1,
+    input_message_ids=("-",),
+    assistant_message_id="-",
+    priority="ordinary",
+    input_policy="queue",
+    admission_sequence=1,
+    version=0,
+    created_at=_T,
+    updated_at=_T,
+)
+_INPUT = Message(
+    id="-",
+    conversation_id="-",
+    role="user",
+    status="committed",
+    parts=(),
+    run_id="-",
+    metadata={},
+    created_at=_T,
+    position=None,
+    band="history",
+    seq=0,
+    version=0,
+)
+_DRAFT = Message(
+    id="-",
+    conversation_id="-",
+    role="assistant",
+    status="streaming",
+    parts=(),
+    run_id="-",
+    created_at=_T,
+    seq=0,
+    version=0,
+)
+_RECEIPT = AdmissionReceipt(
+    conversation_id="-",
+    idempotency_key="-",
+    input=_INPUT,
+    run_id="-",
+    assistant_message_id="-",
+    version=1,
+    created_at=_T,
+)
+_ACCEPTED = AcceptResult(outcome="accepted", receipt=_RECEIPT, run=_QUEUED_RUN, version=1, coalesced=False)
+_RUN_RESULT = RunResult(run=_QUEUED_RUN, version=1)
+_RUN_RESULT_WITH_ASSISTANT = RunResult(run=_QUEUED_RUN, version=1, assistant=None)
+_COMMITTED = TerminalResult(
+    outcome="committed", run=_QUEUED_RUN, assistant=None, version=1, absorbed_runs=(), absorption_cancelled=()
+)
+_LOADED = LoadedRun(run=_QUEUED_RUN, version=1, assistant=None)
+
+
+def _plain(*values: object) -> bool:
+    """Whether every value is a non-empty ``str`` exactly (what the records' id fields hold once validated)."""
+    return all(type(v) is str and v for v in values)
+
 
 def _evolve(record: Run, version: int, **changes: object) -> Run:
     """``record`` with ``changes``, stamped with the head ``version`` its mutation produces (one copy)."""
@@ -132,7 +202,7 @@ def _stamp(mutation: Mutation) -> Mutation:
     assert mutation.head is not None
     v = mutation.head.version
     for record in (*mutation.runs, *mutation.messages):
-        if record.version != v:
+        if record.__dict__["version"] != v:  # (not ``.version``: pydantic's attribute hook, per record)
             break
     else:
         return mutation
@@ -183,12 +253,13 @@ def _by_id(messages: Iterable[Message]) -> dict[str, Message]:
 def _check_owned(run: Run, expected_revision: int, owner_id: str, fencing_token: int, action: str) -> None:
     """An owned mutation needs an acquired run, the same owner and token, and the expected revision."""
     error: type[AgentStoreConflictError]
-    if not run.acquired:
+    f = run.__dict__  # every owned mutation checks these: read without pydantic's attribute hook
+    if f["state"] not in ACQUIRED_RUN_STATES:
         error, why = AgentRunStateConflictError, f"it is {run.state}"
-    elif run.owner_id != owner_id or run.fencing_token != fencing_token:
+    elif f["owner_id"] != owner_id or f["fencing_token"] != fencing_token:
         error = AgentRunOwnershipConflictError
         why = f"owned by {run.owner_id!r} with fencing token {run.fencing_token}, not {owner_id!r} with {fencing_token}"
-    elif run.revision != expected_revision:
+    elif f["revision"] != expected_revision:
         error, why = AgentRunRevisionConflictError, f"expected revision {expected_revision}, store has {run.revision}"
     else:
         return
@@ -386,40 +457,59 @@ def accept_input_and_assign_run(
             updated_at=now,
         )
     else:
-        run = Run(
-            id=run_id,
-            conversation_id=conversation_id,
-            state="queued",
-            revision=1,
-            input_message_ids=(input.id,),
-            assistant_message_id=assistant_message_id,
-            priority=priority,
-            input_policy=input_policy,
-            admission_sequence=head.admission_seq,
-            version=head.version,
-            created_at=now,
-            updated_at=now,
+        fields = {
+            "id": run_id,
+            "conversation_id": conversation_id,
+            "state": "queued",
+            "revision": 1,
+            "input_message_ids": (input.id,),
+            "assistant_message_id": assistant_message_id,
+            "priority": priority,
+            "input_policy": input_policy,
+            "admission_sequence": head.admission_seq,
+            "version": head.version,
+            "created_at": now,
+            "updated_at": now,
+        }
+        plain = _plain(run_id, conversation_id, assistant_message_id, priority) and type(input_policy) is str
+        run = build(_QUEUED_RUN, fields) if plain else Run(**fields)  # type: ignore[arg-type]
+    if input.metadata or type(conversation_id) is not str:  # metadata is copied by validation; none is common
+        message = _message(input, conversation_id, status="committed", seq=seq, now=now, run_id=run.id)
+        message = evolve(message, {"version": head.version})
+    else:
+        message = build(
+            _INPUT,
+            {
+                "id": input.id,
+                "conversation_id": conversation_id,
+                "role": input.role,
+                "parts": input.parts,
+                "run_id": run.id,
+                "metadata": {},
+                "created_at": now,
+                "seq": seq,
+                "version": head.version,
+            },
         )
-    message = _message(input, conversation_id, status="committed", seq=seq, now=now, run_id=run.id)
-    new_receipt = AdmissionReceipt(
-        conversation_id=conversation_id,
-        idempotency_key=idempotency_key,
-        input=message,
-        run_id=run.id,
-        assistant_message_id=run.assistant_message_id,
-        version=head.version,
-        created_at=now,
-    )
-    message = evolve(message, {"version": head.version})
-    new_receipt = evolve(new_receipt, {"input": message})
+    receipt = {
+        "conversation_id": conversation_id,
+        "idempotency_key": idempotency_key,
+        "input": message,
+        "run_id": run.id,
+        "assistant_message_id": run.assistant_message_id,
+        "version": head.version,
+        "created_at": now,
+    }
+    plain = type(idempotency_key) is str and type(conversation_id) is str
+    new_receipt = build(_RECEIPT, receipt) if plain else AdmissionReceipt(**receipt)  # type: ignore[arg-type]
     messages: tuple[Message, ...] = (message,)
     if start_for is not None and target is None and not active:
         head, run, drafts = yield from _start(head, run, start_for, lease_expires_at, operation, now, fresh_ids)
         messages += drafts
     w = _stamp(Mutation(head=head, runs=(run,), messages=messages, receipts=(new_receipt,)))
     yield Write(w)
-    return AcceptResult(
-        outcome="accepted", receipt=new_receipt, run=w.runs[0], version=head.version, coalesced=target is not None
+    return build(
+        _ACCEPTED, {"receipt": new_receipt, "run": w.runs[0], "version": head.version, "coalesced": target is not None}
     )
 
 
@@ -494,7 +584,10 @@ def acquire_run(
     head, acquired, drafts = yield from _start(_bump(head, now), run, owner_id, lease_expires_at, operation, now)
     w = _stamp(Mutation(head=head, runs=(acquired,), messages=drafts))
     yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0] if drafts else None)
+    return build(
+        _RUN_RESULT_WITH_ASSISTANT,
+        {"run": w.runs[0], "version": head.version, "assistant": w.messages[0] if drafts else None},
+    )
 
 
 def _start(
@@ -509,15 +602,18 @@ def _start(
     """The acquisition of ``run`` (checked by the caller) inside a change whose head is bumped already:
     its execution sequence, owner, fencing token and lease, and with ``operation`` the empty draft."""
     execution_sequence = run.execution_sequence
+    counters: dict[str, int] = {}
     if execution_sequence is None:
-        execution_sequence = head.execution_seq + 1
-        head = evolve(head, {"execution_seq": execution_sequence})
+        execution_sequence = counters["execution_seq"] = head.execution_seq + 1
     drafts: tuple[Message, ...] = ()
     if operation is not None:
         # a run acquired again (requeued after a crash) keeps the draft its earlier execution checkpointed:
         # the loop resumes from it
-        head, draft = yield from _draft(head, run, None, now, fresh=run.assistant_message_id in fresh_ids)
+        fresh = run.assistant_message_id in fresh_ids
+        head, draft = yield from _draft(head, run, None, now, fresh=fresh, counters=counters)
         drafts = (draft,)
+    elif counters:
+        head = evolve(head, counters)
     acquired = _evolve(
         run,
         head.version,
@@ -535,27 +631,36 @@ def _start(
 
 
 def _draft(
-    head: ConversationHead, run: Run, parts: Sequence[Part] | None, now: Timestamp, fresh: bool = False
+    head: ConversationHead,
+    run: Run,
+    parts: Sequence[Part] | None,
+    now: Timestamp,
+    fresh: bool = False,
+    counters: dict[str, int] | None = None,
 ) -> Operation[tuple[ConversationHead, Message]]:
     """The run's streaming assistant draft holding ``parts`` (None: the parts it holds already, or none), and
     the head that writes it (bumped; the caller has bumped it already when this is part of a larger change,
-    so only ``message_seq`` moves). ``fresh``: the draft's id was just drawn at random, so no such message
-    can exist yet."""
+    so only ``message_seq`` moves, with the caller's other ``counters`` in the same copy). ``fresh``: the
+    draft's id was just drawn at random, so no such message can exist yet."""
     existing: list[Message] = [] if fresh else (yield LoadMessages(run.conversation_id, (run.assistant_message_id,)))
     if existing:
         kept = existing[0].parts if parts is None else tuple(parts)
+        if counters:
+            head = evolve(head, counters)
         return head, evolve(existing[0], {"parts": kept, "status": "streaming", "version": head.version})
-    head = evolve(head, {"message_seq": head.message_seq + 1})
-    draft = Message(
-        id=run.assistant_message_id,
-        conversation_id=run.conversation_id,
-        role="assistant",
-        status="streaming",
-        parts=tuple(parts or ()),
-        run_id=run.id,
-        created_at=now,
-        seq=head.message_seq,
-        version=head.version,
+    head = evolve(head, {**(counters or {}), "message_seq": head.message_seq + 1})
+    draft = build(
+        _DRAFT,
+        {
+            "id": run.assistant_message_id,
+            "conversation_id": run.conversation_id,
+            "parts": tuple(parts or ()),
+            "run_id": run.id,
+            "metadata": {},
+            "created_at": now,
+            "seq": head.message_seq,
+            "version": head.version,
+        },
     )
     return head, draft
 
@@ -584,7 +689,7 @@ def checkpoint_run_assistant(
     updated = _evolve(run, head.version, revision=run.revision + 1, updated_at=now, **changes)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
     yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version, assistant=w.messages[0])
+    return build(_RUN_RESULT_WITH_ASSISTANT, {"run": w.runs[0], "version": head.version, "assistant": w.messages[0]})
 
 
 def record_run_operation(
@@ -605,12 +710,10 @@ def record_run_operation(
     _check_owned(run, expected_revision, owner_id, fencing_token, "record an operation on")
     head = _bump(head, now)
     spent = {"usage": usage} if usage is not None else {}
-    updated = _evolve(
-        run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now, **spent
-    )
+    updated = _evolve(run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now, **spent)
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version)
+    return build(_RUN_RESULT, {"run": w.runs[0], "version": head.version})
 
 
 def renew_run_lease(
@@ -631,7 +734,7 @@ def renew_run_lease(
     updated = _evolve(run, head.version, revision=run.revision + 1, lease_expires_at=lease_expires_at, updated_at=now)
     w = _stamp(Mutation(head=head, runs=(updated,)))
     yield Write(w)
-    return RunResult(run=w.runs[0], version=head.version)
+    return build(_RUN_RESULT, {"run": w.runs[0], "version": head.version})
 
 
 def request_run_interrupt(
@@ -737,6 +840,8 @@ def commit_run_terminal(
     final_parts = tuple(parts) if parts is not None else (assistant.parts if assistant else ())
     # a join marker stands only for an absorption that holds
     final_parts = tuple(p for p in final_parts if p.type != "input-joined" or p.run_id in absorbed_ids)
+    inputs = [found[mid] for mid in (*run.input_message_ids, *absorbed_inputs) if mid in found]
+    position, settled = _settle(head.settled_position, inputs, head.version + 1)
     if assistant is None:
         seq += 1
         assistant = Message(
@@ -749,10 +854,13 @@ def commit_run_terminal(
             created_at=now,
             seq=seq,
         )
-    else:
-        assistant = evolve(assistant, {"status": status, "parts": final_parts})
-    inputs = [found[mid] for mid in (*run.input_message_ids, *absorbed_inputs) if mid in found]
-    position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
+        position, (assistant,) = _settle(position, [assistant], head.version + 1)
+    else:  # the answer settles last: its final state and its position in one copy
+        changes: dict[str, object] = {"status": status, "parts": final_parts, "version": head.version + 1}
+        if assistant.position is None:
+            position = changes["position"] = position + 1
+        assistant = evolve(assistant, changes)
+    settled.append(assistant)
     head = _bump(head, now, message_seq=seq, settled_position=position)
     final = _evolve(
         run,
@@ -785,13 +893,15 @@ def commit_run_terminal(
     )
     w = _stamp(Mutation(head=head, runs=(final, *absorbed_final), messages=tuple(settled)))
     yield Write(w)
-    return TerminalResult(
-        outcome="committed",
-        run=w.runs[0],
-        assistant=w.messages[-1],
-        version=head.version,
-        absorbed_runs=w.runs[1:],
-        absorption_cancelled=tuple(cancelled),
+    return build(
+        _COMMITTED,
+        {
+            "run": w.runs[0],
+            "assistant": w.messages[-1],
+            "version": head.version,
+            "absorbed_runs": w.runs[1:],
+            "absorption_cancelled": tuple(cancelled),
+        },
     )
 
 
@@ -1085,7 +1195,7 @@ def load_run(*, conversation_id: str, run_id: str) -> Operation[LoadedRun | None
     loaded = yield from _load_answer(conversation_id, run_id)
     if loaded is None:
         return None
-    return LoadedRun(run=loaded[0], version=state.head.version, assistant=loaded[1])
+    return build(_LOADED, {"run": loaded[0], "version": state.head.version, "assistant": loaded[1]})
 
 
 def list_active_runs(*, conversation_id: str) -> Operation[ActiveRuns]:

@@ -2,11 +2,14 @@
 
 Group commit: operations started together share one transaction — ``BEGIN IMMEDIATE`` if any of them
 writes, else ``BEGIN`` — each whole reducer operation in turn through
-:func:`~threadline.store.driver.drive_sync`, its writes under a savepoint when it shares the transaction,
-then one ``COMMIT`` (at most ``max_batch`` operations per transaction). An operation that raises is rolled
-back to its savepoint and writes nothing; the others commit. A caller gets its answer only after the
-``COMMIT`` succeeded; if it fails, no write of the batch is durable and every caller whose answer depended
-on it gets the error.
+:func:`~threadline.store.driver.drive_sync`, then one ``COMMIT`` (at most ``max_batch`` operations per
+transaction). An operation that raises having written nothing (a conflict, say) leaves the others to go on;
+one that raises after it wrote rolls the transaction back, writes nothing, and the operations whose answers
+came after the batch's first write run again, in order, in a new transaction (an operation is a pure
+generator, so running it again from the start is always allowed). No savepoint per operation: it costs
+every operation two statements and a copy of each page it touches, to undo what almost never fails. A
+caller gets its answer only after the ``COMMIT`` succeeded; if it fails, no write of the batch is durable
+and every caller whose answer depended on it gets the error.
 
 Where they run: operations started on an event loop are gathered until that loop has run what was ready
 (one loop iteration). If the connection's thread is idle and nothing waits for it, the gathered batch
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
 import queue
 import sqlite3
 import threading
@@ -52,9 +56,19 @@ from ..errors import (
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
-from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
+from ..records import (
+    ACTIVE_RUN_STATES,
+    AdmissionReceipt,
+    ApprovalRequestPart,
+    ConversationHead,
+    Message,
+    Run,
+    SeedRecord,
+    ToolCallPart,
+    ToolResultPart,
+)
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, encode as _encode, foreign
+from .codec import RecordCache, encode as _encode, encode_with, foreign
 from .driver import (
     Access,
     HeadState,
@@ -91,7 +105,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-SQLITE_SCHEMA_VERSION = 3
+SQLITE_SCHEMA_VERSION = 4
 """The version of the ``threadline_*`` table layout this driver reads and writes. Opening a file of an
 earlier version migrates it forward in one transaction (``_MIGRATIONS``); a later version is refused."""
 
@@ -137,7 +151,7 @@ _TABLES: dict[str, str] = {
     "threadline_runs": (
         "CREATE TABLE threadline_runs ("
         "conversation_id TEXT NOT NULL, run_id TEXT NOT NULL, active INTEGER NOT NULL, version INTEGER NOT NULL, "
-        "body TEXT NOT NULL, PRIMARY KEY (conversation_id, run_id))"
+        "body TEXT NOT NULL, assistant_message_id TEXT, PRIMARY KEY (conversation_id, run_id))"
     ),
     # row_id is an explicit INTEGER PRIMARY KEY so VACUUM never renumbers it: the full-text rows use it.
     "threadline_messages": (
@@ -168,10 +182,10 @@ _INDEXES: dict[str, str] = {
     ),
     "threadline_runs_version": ("CREATE INDEX threadline_runs_version ON threadline_runs (conversation_id, version)"),
     # finds a run by the id of the answer it will write (or would have: absorbed runs write none), so an
-    # input or summary cannot take that id; only caller-chosen ids are looked up
+    # input or summary cannot take that id; only caller-chosen ids are looked up. A column, not an
+    # expression on the body: a run's answer id never changes, so its many updates leave this index alone
     "threadline_runs_assistant": (
-        "CREATE INDEX threadline_runs_assistant ON threadline_runs "
-        "(conversation_id, json_extract(body, '$.assistant_message_id'))"
+        "CREATE INDEX threadline_runs_assistant ON threadline_runs (conversation_id, assistant_message_id)"
     ),
     "threadline_messages_version": (
         "CREATE INDEX threadline_messages_version ON threadline_messages (conversation_id, version)"
@@ -237,8 +251,19 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         _TRIGGERS["threadline_messages_fts_update"],
         _TRIGGERS["threadline_messages_fts_delete"],
     ),
-    # 2 -> 3: runs are found by their assistant message id
-    2: (_INDEXES["threadline_runs_assistant"],),
+    # 2 -> 3: runs are found by their assistant message id (an index on the body's field)
+    2: (
+        "CREATE INDEX threadline_runs_assistant ON threadline_runs "
+        "(conversation_id, json_extract(body, '$.assistant_message_id'))",
+    ),
+    # 3 -> 4: ... by a column of its own (SQLite parsed the body's JSON twice at every update of a run for
+    # that index)
+    3: (
+        "DROP INDEX threadline_runs_assistant",
+        "ALTER TABLE threadline_runs ADD COLUMN assistant_message_id TEXT",
+        "UPDATE threadline_runs SET assistant_message_id = json_extract(body, '$.assistant_message_id')",
+        _INDEXES["threadline_runs_assistant"],
+    ),
 }
 """The statements that bring schema version ``n`` to ``n + 1``."""
 
@@ -248,8 +273,7 @@ _HEAD = "SELECT body FROM threadline_conversations WHERE conversation_id = ?"
 _TOMBSTONE = "SELECT 1 FROM threadline_tombstones WHERE conversation_id = ?"
 _RUN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id = ?"
 _RUNS_BY_ASSISTANT = (
-    "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? "
-    "AND json_extract(body, '$.assistant_message_id') IN ({})"
+    "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND assistant_message_id IN ({})"
 )
 _RUNS_IN = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND run_id IN ({})"
 _ACTIVE_RUNS = "SELECT run_id, body FROM threadline_runs WHERE conversation_id = ? AND active = 1 ORDER BY run_id"
@@ -294,9 +318,9 @@ _UPSERT_HEAD = (
     "INSERT INTO threadline_conversations (conversation_id, version, body) VALUES (?, ?, ?) "
     "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body"
 )
-_UPSERT_RUN = (
-    "INSERT INTO threadline_runs (conversation_id, run_id, active, version, body) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
+_UPSERT_RUN = (  # a run's assistant_message_id never changes: an update leaves it (and its index) alone
+    "INSERT INTO threadline_runs (conversation_id, run_id, active, version, body, assistant_message_id) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
     "active = excluded.active, version = excluded.version, body = excluded.body"
 )
 _UPSERT_MESSAGE = (
@@ -305,6 +329,17 @@ _UPSERT_MESSAGE = (
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (conversation_id, message_id) DO UPDATE SET "
     "band_rank = excluded.band_rank, position = excluded.position, sub = excluded.sub, seq = excluded.seq, "
     "active = excluded.active, version = excluded.version, body = excluded.body"
+)
+# Rows this connection wrote (``_SqliteRows.known``) are rewritten with a plain UPDATE of what can change:
+# no purge guard, no insert attempt, and no index whose columns stay the same is touched.
+_UPDATE_HEAD = "UPDATE threadline_conversations SET version = ?, body = ? WHERE conversation_id = ?"
+_UPDATE_RUN = "UPDATE threadline_runs SET version = ?, body = ? WHERE conversation_id = ? AND run_id = ?"
+_UPDATE_RUN_ACTIVE = (
+    "UPDATE threadline_runs SET active = ?, version = ?, body = ? WHERE conversation_id = ? AND run_id = ?"
+)
+_UPDATE_MESSAGE = "UPDATE threadline_messages SET version = ?, body = ? WHERE conversation_id = ? AND message_id = ?"
+_UPDATE_MESSAGE_POSITION = (
+    "UPDATE threadline_messages SET position = ?, version = ?, body = ? WHERE conversation_id = ? AND message_id = ?"
 )
 _INSERT_RECEIPT = (
     "INSERT INTO threadline_admissions (conversation_id, idempotency_key, input_message_id, body) VALUES (?, ?, ?, ?)"
@@ -336,9 +371,6 @@ _SEARCH = (
     "ORDER BY f.rank LIMIT ?"
 )
 _SORT_COLUMNS = ("band_rank", "position", "sub", "seq")
-_SAVEPOINT = "SAVEPOINT threadline_op"
-_RELEASE = "RELEASE threadline_op"
-_ROLLBACK_TO = "ROLLBACK TO threadline_op"
 
 # ------------------------------------------------------------------------------------------ error mapping
 
@@ -403,21 +435,20 @@ def _chunks(ids: Sequence[str]) -> Iterable[Sequence[str]]:
 class _SqliteRows:
     """The :class:`~threadline.store.driver.SyncRows` primitives over one connection (worker thread only).
 
-    ``writable`` is the current operation's access (a read operation that writes is a bug). ``isolate``
-    is set while the operation shares its transaction with others: its first write then opens
-    ``SAVEPOINT threadline_op`` (``savepoint`` becomes true), so a failure undoes exactly its own rows.
-    An operation that only reads needs no savepoint. ``wrote`` records that the operation wrote.
+    ``writable`` is the current operation's access (a read operation that writes is a bug). ``wrote``
+    records that the operation wrote (a failure after that needs the whole transaction rolled back).
 
     ``known`` holds the rows this connection wrote last, by key: heads and runs as their (immutable)
-    records, messages as their stored JSON beside the record. A message holds JSON containers a caller
-    could change in place, so a known message is encoded again before it is handed out (a few times
-    cheaper than decoding it) and decoded afresh from its row when the two differ. A store operation
+    records, messages as their stored JSON beside the record and a snapshot of what in it a caller could
+    change in place (its JSON containers: metadata, a tool call's input; :func:`_snapshot`). A known
+    message is handed out only while those are unchanged (pickled again and compared: a fraction of
+    encoding the message), else decoded afresh from its row. A store operation
     mostly reads what the one before it wrote, so those reads need no statement, and a run a range query
     returns is not decoded again. Ended runs and settled messages are not kept (a mutation seldom reads
     them again, and every record and body kept alive is memory and work for the garbage collector). The
     entries are exactly the rows in the database as long as nothing else wrote it: every transaction
     begins with ``check_known`` (``PRAGMA data_version`` moves when another connection commits), and
-    anything rolled back (an operation's savepoint, a failed ``COMMIT``) or deleted (a purge) empties it.
+    anything rolled back (a failed operation, a failed ``COMMIT``) or deleted (a purge) empties it.
     Bounded: ``_KNOWN_ROWS`` entries, then it starts again empty.
     """
 
@@ -427,8 +458,6 @@ class _SqliteRows:
         self.known: dict[tuple[str, ...], Any] = {}
         self.data_version: int | None = None
         self.writable = False
-        self.isolate = False
-        self.savepoint = False
         self.wrote = False
         self.fts_pending = False  # a write may have noted rows for the full-text index (flush_fts)
         self.cache = RecordCache(_CACHE_BUDGET)
@@ -436,9 +465,6 @@ class _SqliteRows:
     def _begin_write(self, what: str) -> None:
         if not self.writable:
             raise AssertionError(f"a read operation {what}")
-        if self.isolate and not self.savepoint:
-            self.cur.execute(_SAVEPOINT)
-            self.savepoint = True
         self.wrote = True
 
     def check_known(self) -> None:
@@ -576,11 +602,11 @@ class _SqliteRows:
         entries = [known.get(("m", cid, message_id)) for message_id in ids]
         if None not in entries:
             out = []
-            for message_id, (body, message) in zip(ids, entries, strict=True):  # type: ignore[misc]
-                if message.__pydantic_serializer__.to_json(message).decode() != body:
+            for message_id, (body, message, snapshot) in zip(ids, entries, strict=True):  # type: ignore[misc]
+                if not _unchanged(message, snapshot):
                     # a caller changed the record's JSON containers in place: the row is what counts
                     (message,) = self._messages(cid, ((message_id, body),))
-                    known["m", cid, message_id] = (body, message)
+                    known["m", cid, message_id] = (body, message, _snapshot(message))
                 out.append(message)
             return out
         if len(ids) == 1:
@@ -670,48 +696,20 @@ class _SqliteRows:
         if len(known) > _KNOWN_ROWS:
             known.clear()
         try:
-            conn.execute(_UPSERT_HEAD, (cid, m.head.version, encode(m.head)))
+            head_body = encode(m.head)
+            if ("h", cid) not in known or not self._updated(_UPDATE_HEAD, [(m.head.version, head_body, cid)]):
+                conn.execute(_UPSERT_HEAD, (cid, m.head.version, head_body))
             known["h", cid] = m.head
             if m.runs:
-                runs = [
-                    (run.conversation_id, run.id, 1 if run.active else 0, run.version, encode(run)) for run in m.runs
-                ]
-                if len(runs) == 1:
-                    conn.execute(_UPSERT_RUN, runs[0])
-                else:
-                    conn.executemany(_UPSERT_RUN, runs)
-                for run in m.runs:
-                    if run.active:
-                        known["r", run.conversation_id, run.id] = run
-                    else:  # an ended run is seldom read again: not worth keeping alive
-                        known.pop(("r", run.conversation_id, run.id), None)
+                self._write_runs(m.runs)
+            written: list[tuple[Message, str]] = []
             if m.messages:
                 self.fts_pending = True
-                messages = [
-                    (
-                        msg.conversation_id,
-                        msg.id,
-                        0 if msg.band == "lead" else 1,
-                        msg.position,
-                        1 if msg.role == "summary" else 0,
-                        msg.seq,
-                        1 if msg.active else 0,
-                        msg.version,
-                        encode(msg),
-                    )
-                    for msg in m.messages
-                ]
-                if len(messages) == 1:
-                    conn.execute(_UPSERT_MESSAGE, messages[0])
-                else:
-                    conn.executemany(_UPSERT_MESSAGE, messages)
-                for row, msg in zip(messages, m.messages, strict=True):
-                    if msg.position is None:
-                        known["m", row[0], row[1]] = (row[8], msg)
-                    else:  # settled: a mutation seldom reads it again, so its body is not worth keeping
-                        known.pop(("m", row[0], row[1]), None)
+                written = self._write_messages(m.messages)
             if m.receipts:
-                receipts = [(x.conversation_id, x.idempotency_key, x.input.id, encode(x)) for x in m.receipts]
+                receipts = [
+                    (x.conversation_id, x.idempotency_key, x.input.id, _receipt(x, written)) for x in m.receipts
+                ]
                 if len(receipts) == 1:
                     conn.execute(_INSERT_RECEIPT, receipts[0])
                 else:
@@ -723,6 +721,97 @@ class _SqliteRows:
                 # only the purge guards RAISE in a threadline trigger: a writer that did not see the tombstone
                 raise AgentConversationPurgedError(cid) from error
             raise
+
+    def _updated(self, sql: str, rows: list[tuple[Any, ...]]) -> bool:
+        """Run an UPDATE of rows ``known`` says are there; False (nothing to undo: the rows it found hold
+        what the upsert then writes again) if any is missing, which a correct ``known`` never allows."""
+        cur = self.cur
+        if len(rows) == 1:
+            cur.execute(sql, rows[0])
+        else:
+            cur.executemany(sql, rows)
+        return cur.rowcount == len(rows)
+
+    # Records' fields are read from their ``__dict__`` here: an attribute of a pydantic model goes through
+    # its ``__getattr__`` hook (several times the cost of a dict lookup), and a row takes most of them.
+
+    def _write_runs(self, runs: Sequence[Run]) -> None:
+        known, encode = self.known, _encode
+        upserts: list[tuple[Any, ...]] = []  # the rows of runs this connection did not write (new ones)
+        updates: list[tuple[Any, ...]] = []
+        ending: list[tuple[Any, ...]] = []  # known rows whose ``active`` changes (the run ended)
+        for run in runs:
+            f = run.__dict__
+            cid, run_id, active = f["conversation_id"], f["id"], f["state"] in ACTIVE_RUN_STATES
+            row = (cid, run_id, 1 if active else 0, f["version"], encode(run), f["assistant_message_id"])
+            before = known.get(("r", cid, run_id))
+            if before is None:
+                upserts.append(row)
+            else:
+                was_active = before.__dict__["state"] in ACTIVE_RUN_STATES
+                (updates if was_active == active else ending).append(row)
+            if active:
+                known["r", cid, run_id] = run
+            else:  # an ended run is seldom read again: not worth keeping alive
+                known.pop(("r", cid, run_id), None)
+        if updates and not self._updated(_UPDATE_RUN, [(r[3], r[4], r[0], r[1]) for r in updates]):
+            upserts += updates
+        if ending and not self._updated(_UPDATE_RUN_ACTIVE, [(r[2], r[3], r[4], r[0], r[1]) for r in ending]):
+            upserts += ending
+        if upserts:
+            if len(upserts) == 1:
+                self.cur.execute(_UPSERT_RUN, upserts[0])
+            else:
+                self.cur.executemany(_UPSERT_RUN, upserts)
+
+    def _write_messages(self, messages: Sequence[Message]) -> list[tuple[Message, str]]:
+        known, encode = self.known, _encode
+        upserts: list[tuple[Any, ...]] = []  # full rows: new, or a change of what the sort and flags index
+        updates: list[tuple[Any, ...]] = []
+        settling: list[tuple[Any, ...]] = []  # known unsettled rows that take their position
+        written: list[tuple[Message, str]] = []
+        for msg in messages:
+            f = msg.__dict__
+            cid, mid, position, body = f["conversation_id"], f["id"], f["position"], encode(msg)
+            written.append((msg, body))
+            row = (
+                cid,
+                mid,
+                0 if f["band"] == "lead" else 1,
+                position,
+                1 if f["role"] == "summary" else 0,
+                f["seq"],
+                1 if f["active"] else 0,
+                f["version"],
+                body,
+            )
+            entry = known.get(("m", cid, mid))
+            b = entry[1].__dict__ if entry is not None else None
+            if b is None or (b["active"], b["seq"], b["band"], b["role"]) != (
+                f["active"],
+                f["seq"],
+                f["band"],
+                f["role"],
+            ):
+                upserts.append(row)
+            elif b["position"] == position:
+                updates.append(row)
+            else:
+                settling.append(row)
+            if position is None:
+                known["m", cid, mid] = (body, msg, _snapshot(msg))
+            else:  # settled: a mutation seldom reads it again, so its body is not worth keeping
+                known.pop(("m", cid, mid), None)
+        if updates and not self._updated(_UPDATE_MESSAGE, [(r[7], r[8], r[0], r[1]) for r in updates]):
+            upserts += updates
+        if settling and not self._updated(_UPDATE_MESSAGE_POSITION, [(r[3], r[7], r[8], r[0], r[1]) for r in settling]):
+            upserts += settling
+        if upserts:
+            if len(upserts) == 1:
+                self.cur.execute(_UPSERT_MESSAGE, upserts[0])
+            else:
+                self.cur.executemany(_UPSERT_MESSAGE, upserts)
+        return written
 
     def purge(self, r: Purge) -> None:
         self._begin_write("purged")
@@ -750,10 +839,62 @@ long, as they would for 64 separate transactions in a row). Beyond a few dozen, 
 almost nothing: the per-transaction cost (BEGIN, COMMIT, one wake-up of the loop) is already spread thin."""
 
 # A job is (kind, a, b, c, loop, future, box).
-_JOB_OP = 0  # a, b, c = the operation generator, its access, its OperationStats
+_JOB_OP = 0  # a, b, c = the operation (a factory of its generator: it may run again), its access, its OperationStats
 _JOB_SEARCH = 1  # a, b, c = conversation_id, query, limit
 _JOB_CALL = 2  # a, b = fn, args: run between transactions (bench hooks)
 _JOB_CLOSE = 3
+
+
+_CONTAINERS = {ToolCallPart: "input", ToolResultPart: "output", ApprovalRequestPart: "input"}
+"""The part field holding a JSON value, per part record (any part's ``envelope`` holds one too)."""
+
+
+def _mutable(message: Message) -> list[Any]:
+    """What of ``message`` a caller could change in place: its metadata, then every JSON container its parts
+    hold (a tool call's input, a result's output, provider data); records and their other values are
+    frozen."""
+    f = message.__dict__
+    found: list[Any] = [f["metadata"]]
+    for part in f["parts"]:
+        fields = part.__dict__
+        name = _CONTAINERS.get(type(part))
+        if name is not None and isinstance(value := fields[name], (dict, list)):
+            found.append(value)
+        envelope = fields.get("envelope")
+        if envelope is not None and isinstance(data := envelope.__dict__["data"], (dict, list)):
+            found.append(data)
+    return found
+
+
+def _snapshot(message: Message) -> bytes | None:
+    """:func:`_mutable` as pickled bytes (exact: ``1`` and ``True`` differ, as in JSON); None when it is an
+    empty metadata alone, which is unchanged as long as it is still empty."""
+    mutable = _mutable(message)
+    if len(mutable) == 1 and not mutable[0]:
+        return None
+    return pickle.dumps(mutable, protocol=5)
+
+
+def _unchanged(message: Message, snapshot: bytes | None) -> bool:
+    """Whether nothing :func:`_snapshot` took of a known message changed since."""
+    if snapshot is None:
+        return not message.__dict__["metadata"]
+    return pickle.dumps(_mutable(message), protocol=5) == snapshot
+
+
+def _receipt(receipt: AdmissionReceipt, written: list[tuple[Message, str]]) -> str:
+    """A receipt's stored JSON; its input is the message its admission writes beside it, encoded once."""
+    for message, body in written:
+        if message is receipt.input:
+            return encode_with(receipt, "input", body)
+    return _encode(receipt)
+
+
+def _reset(stats: OperationStats) -> None:
+    """What an operation counted, forgotten before it runs again from the start."""
+    stats.rows_read = stats.rows_written = 0
+    stats.by_request.clear()
+    stats.writes.clear()
 
 
 def _wake_all(futures: list[asyncio.Future[None]]) -> None:
@@ -843,8 +984,8 @@ class SqliteStoreDriver:
     """A :class:`~threadline.store.driver.StoreDriver` over one SQLite connection with a thread of its own
     (see the module docstring for group commit and where a batch runs).
 
-    Each operation's writes are isolated by a savepoint (opened at its first write, only when the
-    transaction is shared), so an operation that raises leaves nothing and the others go on. Answers are
+    An operation that raises leaves nothing and the others go on (if it had written, after its batch's
+    transaction was rolled back and what depended on that transaction ran again in a new one). Answers are
     delivered only after the ``COMMIT``; if it fails (or SQLite aborts the transaction), every operation
     whose answer depended on it gets the mapped error and nothing of it is durable. An operation sees the
     rows written by the operations before it in its batch, exactly as if they had committed one by one.
@@ -876,7 +1017,6 @@ class SqliteStoreDriver:
         self._checkpointer = _Checkpointer(filename)
         self._gathering: dict[asyncio.AbstractEventLoop, list[tuple[Any, ...]]] = {}
         self._closed = False
-        self._broken = False
         self._close_future: asyncio.Future[None] | None = None
         self._init_error: BaseException | None = None
         ready = threading.Event()
@@ -996,8 +1136,9 @@ class SqliteStoreDriver:
                 _post(loop, futures)
 
     def _batch_transaction(self, todo: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Run ``todo`` in one transaction and fill every job's box; return the jobs that did not run
-        because SQLite aborted the transaction under them (they get a transaction of their own)."""
+        """Run ``todo`` in one transaction and fill every job's box; return the jobs that need another
+        transaction, in order: those that did not run because SQLite aborted the transaction under them, or,
+        when an operation failed after it wrote, those that ran after the first write and did not run yet."""
         rows = self._rows
         conn = rows.conn
         write = any(job[0] == _JOB_OP and job[2] == "write" for job in todo)
@@ -1014,17 +1155,16 @@ class SqliteStoreDriver:
                     self._fail(job, error)
             return reads
         self.transactions += 1
-        rows.isolate = len(todo) > 1
         rows.fts_pending = False
         dirty = False  # an operation that succeeded here wrote: the answers after it saw uncommitted rows
         pending: list[tuple[Any, ...]] = []  # answers that stand only if this transaction commits
+        after_write: list[tuple[Any, ...]] = []  # pending, and the failures that saw uncommitted rows too
         rest: list[tuple[Any, ...]] = []
         lost: BaseException | None = None
         failed = False
         for index, job in enumerate(todo):
             box = job[6]
             rows.wrote = False
-            self._broken = False
             self.operations += 1
             try:
                 if job[0] == _JOB_OP:
@@ -1034,19 +1174,31 @@ class SqliteStoreDriver:
             except BaseException as error:
                 box += (False, error)
                 failed = True
-                if self._broken or not conn.in_transaction:
-                    # SQLite rolled the transaction back (or a savepoint would not roll back): what ran
-                    # before is gone, and what did not run yet needs a transaction of its own
+                if not conn.in_transaction:
+                    # SQLite rolled the transaction back: what ran before is gone, and what did not run
+                    # yet needs a transaction of its own
                     lost, rest = error, todo[index + 1 :]
                     break
+                if rows.wrote and len(todo) > 1:
+                    # it wrote before it failed: only rolling the whole transaction back undoes that. Its
+                    # error stands; every answer that came after the first write is void, and runs again
+                    rows.forget()
+                    self._rollback(conn)
+                    for again in after_write:
+                        again[6].clear()
+                        if again[0] == _JOB_OP:
+                            _reset(again[3])
+                    return after_write + todo[index + 1 :]
+                if dirty:
+                    after_write.append(job)
                 continue
             if dirty or rows.wrote:
                 dirty = True
                 pending.append(job)
-        rows.isolate = False
+                after_write.append(job)
         if lost is not None or (failed and len(todo) == 1):
             rows.forget()
-            self._rollback(conn)  # a lone operation has no savepoint: its failure rolls back everything
+            self._rollback(conn)  # a lone operation's failure rolls back everything it did
         else:
             try:
                 rows.flush_fts()
@@ -1077,8 +1229,6 @@ class SqliteStoreDriver:
         return self._checkpointer.done
 
     def _fail(self, job: tuple[Any, ...], error: BaseException) -> None:
-        if job[0] == _JOB_OP:
-            job[1].close()
         job[6][:] = (False, self._failure(error))
 
     def _failure(self, error: BaseException) -> Exception:
@@ -1177,29 +1327,19 @@ class SqliteStoreDriver:
         conn.execute("UPDATE threadline_meta SET value = ? WHERE key = 'schema_version'", (str(SQLITE_SCHEMA_VERSION),))
         self._inspect(conn)  # complete at the new version, or refused (and rolled back)
 
-    def _transaction(self, operation: Operation[T], access: Access, stats: OperationStats) -> T:
+    def _transaction(self, operation: Callable[[], Operation[T]], access: Access, stats: OperationStats) -> T:
         """Run one operation inside the batch's open transaction (``bench/`` wraps this hook to time it).
 
-        If it raises, its savepoint (opened at its first write when the transaction is shared) is rolled
-        back and released, so it leaves nothing; a lone operation is rolled back with the transaction."""
+        If it raises, the caller rolls back what it wrote (with the whole transaction: see
+        :meth:`_batch_transaction`)."""
         rows = self._rows
         rows.writable = access == "write"
+        steps = operation()
         try:
-            result = drive_sync(operation, rows, stats)
-            if rows.savepoint:
-                rows.cur.execute(_RELEASE)
-                rows.savepoint = False
-            return result
+            return drive_sync(steps, rows, stats)
         except BaseException as error:
-            operation.close()
-            rows.forget()  # what it wrote is rolled back (its savepoint, or the whole transaction)
-            if rows.savepoint:
-                rows.savepoint = False
-                try:
-                    rows.cur.execute(_ROLLBACK_TO)
-                    rows.cur.execute(_RELEASE)
-                except sqlite3.Error:
-                    self._broken = True  # the transaction cannot be trusted: it is rolled back whole
+            steps.close()
+            rows.forget()  # it may have written: what it wrote is rolled back (with the whole transaction)
             if isinstance(error, sqlite3.Error):
                 mapped = _map_error(error, self.filename)
                 if mapped is not None:
@@ -1275,7 +1415,6 @@ class SqliteStoreDriver:
 
     def _refuse(self, jobs: list[tuple[Any, ...]]) -> None:
         for job in jobs:
-            job[1].close()
             job[6][:] = (False, self._closed_error())
 
     def _closed_error(self) -> AgentStoreUnavailableError:
@@ -1299,7 +1438,7 @@ class SqliteStoreDriver:
         cannot tell whether it did; read back or retry with the same identity.
         """
         if not (access == "read" or self._inline_writes):
-            return await self._submit(_JOB_OP, operation(), access, stats)  # type: ignore[no-any-return]
+            return await self._submit(_JOB_OP, operation, access, stats)  # type: ignore[no-any-return]
         # Gathered: held until the event loop has run what is ready now (``_flush``); everything gathered
         # by then commits together, here on the calling thread when the worker is idle and nothing waits
         # for it, else on the worker.
@@ -1310,7 +1449,7 @@ class SqliteStoreDriver:
         if pending is None:
             pending = self._gathering[loop] = []
             loop.call_soon(self._flush, loop)
-        pending.append((_JOB_OP, operation(), access, stats, loop, future, box))
+        pending.append((_JOB_OP, operation, access, stats, loop, future, box))
         await future
         return _unbox(box)  # type: ignore[no-any-return]
 

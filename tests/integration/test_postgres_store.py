@@ -154,6 +154,7 @@ async def test_a_layout_1_schema_is_migrated_forward_and_keeps_everything(postgr
     async with handle_for(postgres_dsn, schema) as pg:
         await turn(pg.store, "c", "t1")
     await sql(postgres_dsn, f'DROP INDEX "{schema}".threadline_runs_assistant')
+    await sql(postgres_dsn, f'ALTER TABLE "{schema}".threadline_runs DROP COLUMN assistant_message_id')
     await sql(postgres_dsn, f"UPDATE \"{schema}\".threadline_meta SET value = '1' WHERE key = 'schema_version'")
     async with handle_for(postgres_dsn, schema) as pg:
         loaded = await pg.store.load_run(conversation_id="c", run_id="t1:run")

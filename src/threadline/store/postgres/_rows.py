@@ -576,7 +576,9 @@ class PostgresRows:
         for run in m.runs:
             body = encode(run)
             verb = self._verb("run", run.conversation_id, run.id)
-            pending.append(x(verb + "_run", run.conversation_id, run.id, run.active, run.version, body))
+            pending.append(
+                x(verb + "_run", run.conversation_id, run.id, run.active, run.version, body, run.assistant_message_id)
+            )
             wrote.append(("run", run.id, body, run.active))
             if run.state in ("interrupt_requested", "queued"):
                 # delivered at COMMIT: executors learn of a durable interrupt at once, workers of new work

@@ -14,7 +14,7 @@ from ...errors import (
     AgentStoreSchemaError,
 )
 
-POSTGRES_SCHEMA_VERSION = 2
+POSTGRES_SCHEMA_VERSION = 3
 """The version of the ``threadline_*`` layout this driver reads and writes (``threadline_meta``)."""
 
 DEFAULT_SCHEMA = "threadline"
@@ -100,22 +100,33 @@ _TRIGGERS_V1: dict[str, str] = {
     for table in _GUARDED
 }
 
-_INDEXES_V2: dict[str, str] = {
+_INDEXES_V3: dict[str, str] = {
     # finds a run by the id of the answer it will write (or would have: absorbed runs write none), so an
-    # input or summary cannot take that id; only caller-chosen ids are looked up
+    # input or summary cannot take that id; only caller-chosen ids are looked up. A column of its own: a
+    # run's answer id never changes, so the run's many updates stay HOT and leave this index alone
     "threadline_runs_assistant": (
-        "CREATE INDEX threadline_runs_assistant ON {s}.threadline_runs "
-        "(conversation_id, ((body::jsonb) ->> 'assistant_message_id'))"
+        "CREATE INDEX threadline_runs_assistant ON {s}.threadline_runs (conversation_id, assistant_message_id)"
     ),
 }
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (*_TABLES_V1.values(), *_INDEXES_V1.values(), _GUARD_FUNCTION, *_TRIGGERS_V1.values()),
-    2: tuple(_INDEXES_V2.values()),
+    # 2: runs found by their answer id, through an expression on the body (parsed at every run write)
+    2: (
+        "CREATE INDEX threadline_runs_assistant ON {s}.threadline_runs "
+        "(conversation_id, ((body::jsonb) ->> 'assistant_message_id'))",
+    ),
+    # 3: ... through a column of its own
+    3: (
+        "DROP INDEX {s}.threadline_runs_assistant",
+        "ALTER TABLE {s}.threadline_runs ADD COLUMN assistant_message_id text",
+        "UPDATE {s}.threadline_runs SET assistant_message_id = (body::jsonb) ->> 'assistant_message_id'",
+        *_INDEXES_V3.values(),
+    ),
 }
 """Forward-only: migration ``n`` takes the layout from version ``n - 1`` to ``n`` (0 is empty)."""
 
-_REQUIRED_RELATIONS = (*_TABLES_V1, *_INDEXES_V1, *_INDEXES_V2)
+_REQUIRED_RELATIONS = (*_TABLES_V1, *_INDEXES_V1, *_INDEXES_V3)
 _REQUIRED_TRIGGERS = tuple(_TRIGGERS_V1)
 
 

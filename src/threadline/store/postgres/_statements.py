@@ -41,8 +41,7 @@ _PREPARED: dict[str, tuple[str, str]] = {
     ),
     "runs_by_assistant": (
         "text, text[]",
-        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 "
-        "AND ((body::jsonb) ->> 'assistant_message_id') = ANY($2)",
+        "SELECT run_id, body FROM {s}.threadline_runs WHERE conversation_id = $1 AND assistant_message_id = ANY($2)",
     ),
     "active_runs": (
         "text",
@@ -123,10 +122,10 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "INSERT INTO {s}.threadline_conversations (conversation_id, version, body) VALUES ($1, $2, $3) "
         "ON CONFLICT (conversation_id) DO UPDATE SET version = excluded.version, body = excluded.body",
     ),
-    "upsert_run": (
-        "text, text, boolean, bigint, text",
-        "INSERT INTO {s}.threadline_runs (conversation_id, run_id, active, version, body) "
-        "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
+    "upsert_run": (  # a run's assistant_message_id never changes: an update leaves it as it is
+        "text, text, boolean, bigint, text, text",
+        "INSERT INTO {s}.threadline_runs (conversation_id, run_id, active, version, body, assistant_message_id) "
+        "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (conversation_id, run_id) DO UPDATE SET "
         "active = excluded.active, version = excluded.version, body = excluded.body",
     ),
     "upsert_message": (
@@ -143,8 +142,8 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "text, bigint, text",
         "UPDATE {s}.threadline_conversations SET version = $2, body = $3 WHERE conversation_id = $1",
     ),
-    "update_run": (
-        "text, text, boolean, bigint, text",
+    "update_run": (  # $6: the run's unchanging answer id, passed as to upsert_run and not written
+        "text, text, boolean, bigint, text, text",
         "UPDATE {s}.threadline_runs SET active = $3, version = $4, body = $5 "
         "WHERE conversation_id = $1 AND run_id = $2",
     ),
@@ -217,7 +216,7 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
     "no_answers": (  # no run's answer has these ids (threadline_runs_assistant)
         ("text[]",),
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_runs WHERE conversation_id = $1 "
-        "AND ((body::jsonb) ->> 'assistant_message_id') = ANY(${0}))",
+        "AND assistant_message_id = ANY(${0}))",
     ),
 }
 _DIGEST = "encode(sha256(convert_to(body, 'UTF8')), 'hex')"  # :func:`digest` on the server, any encoding

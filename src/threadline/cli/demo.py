@@ -379,7 +379,7 @@ class Demo:
             if run.terminal_reason == "absorbed":
                 tokens, cost = "in ①'s run", "—"
             else:
-                counts, provenance, cost = usage_cells(entry.result.usage if entry.result is not None else None)
+                counts, provenance, cost = usage_cells(run.usage)  # the run's durable spend, read back
                 tokens = f"{counts} {provenance}"
             table.add_row(
                 entry.conversation_id.removeprefix(self.prefix + "-"),
@@ -391,9 +391,10 @@ class Demo:
             )
         self.console.print(table)
         self.printer.note(
-            "  Usage is what this process's executor reported for each run (usage is not stored): the scripted "
-            "model reports word-count estimates as its token usage and has no price, so cost stays "
-            "'unavailable' (never 0). The crashed child's spend before the kill died with it."
+            "  Usage is each run's durable spend (Run.usage), read back with the run: every attempt, with "
+            "per-field provenance. The scripted model reports word-count estimates as its token usage and "
+            "has no price, so cost stays 'unavailable' (never 0). The crashed child's spend up to its last "
+            "commit stays with its run; what it spent after that died with it."
         )
         self.printer.note(
             f"[green]✓[/] {len(self.book.entries)} runs, each with exactly one terminal reason. "

@@ -687,6 +687,8 @@ class _Execution:
         """The application's tool hooks composed with the fence; None without hooks (the fence alone)."""
         self._prefix_call_ids: Any = frozenset()
         self._draft: Message | None = None
+        self._inputs_projection: tuple[Any, int, list[Message], Any] | None = None
+        """(prefix projector, settled count, inputs, their projection) of the last step (see ``_history``)."""
         """This run's assistant as each request sees it (built once; every step swaps in its parts)."""
         self._last_step: tuple[RunOperation | None, RunOperation] | None = None
         """(first output, completion) of a final step: the terminal commit records them (one commit)."""
@@ -795,11 +797,45 @@ class _Execution:
             await with_store_retry(lambda: view.refresh(self.env.store))
         run = self.run
         own = run.assistant_message_id
-        tail = [m for m in view.tail(run.id) if m.__dict__["id"] != own]  # (no pydantic hook per message)
-        if self.claims:
-            tail += [m for m in view.messages_of(set(self.claims)) if m.role == "user"]
+        inputs = [m for m in view.tail(run.id) if m.__dict__["id"] != own]  # (no pydantic hook per message)
+        options = self.env.projection_options
+        if model.provider_name != options.provider_name:
+            options = self.env.projection_options_for(model.provider_name)
+        prefix = view.projector(options)
+        self._prefix_call_ids = prefix.call_ids
+        if self.claims:  # joined inputs: the draft places them, so inputs and draft are projected in one pass
+            inputs += [m for m in view.messages_of(set(self.claims)) if m.role == "user"]
+            projector = prefix.fork()
+            projector.extend([*inputs, self._draft_with_parts()])
+            return projector.built, projector.system
+        # The settled prefix and the inputs before this run's draft seldom change between its steps: their
+        # projection is kept (a fork: the prefix is never mutated) and only the draft is projected again.
+        # Valid while the prefix is the same object (the view builds a new one when settled history changes
+        # other than by appending) with as many settled messages, and the inputs are the same records.
+        settled = len(view.settled)
+        cached = self._inputs_projection
+        if (
+            cached is None
+            or cached[0] is not prefix
+            or cached[1] != settled
+            or len(cached[2]) != len(inputs)
+            or any(a is not b for a, b in zip(cached[2], inputs, strict=True))
+        ):
+            projected = prefix.fork()
+            projected.extend(inputs)
+            cached = self._inputs_projection = (prefix, settled, inputs, projected)
+        if not self.parts:  # a draft without parts projects to nothing: the request is the inputs alone
+            # (copies: prepare_step may change the lists it is given, and the projection is kept)
+            return list(cached[3].built), list(cached[3].system)
+        projector = cached[3].fork()
+        projector.extend([self._draft_with_parts()])
+        return projector.built, projector.system
+
+    def _draft_with_parts(self) -> Message:
+        """This run's assistant as a request sees it: its draft holding the parts so far."""
+        run = self.run
         draft = self._draft
-        if draft is None or draft.__dict__["id"] != own:
+        if draft is None or draft.__dict__["id"] != run.assistant_message_id:
             draft = self._draft = build(
                 _TAIL_DRAFT,
                 {
@@ -810,15 +846,7 @@ class _Execution:
                     "created_at": run.created_at,
                 },
             )
-        tail.append(evolve(draft, {"parts": tuple(self.parts)}))
-        options = self.env.projection_options
-        if model.provider_name != options.provider_name:
-            options = self.env.projection_options_for(model.provider_name)
-        prefix = view.projector(options)
-        self._prefix_call_ids = prefix.call_ids
-        projector = prefix.fork()
-        projector.extend(tail)
-        return projector.built, projector.system
+        return evolve(draft, {"parts": tuple(self.parts)})
 
     def _unique_call_ids(self, parts: list[Part]) -> list[Part]:
         """Canonical call ids are unique in the conversation (some providers refuse a repeated id, and

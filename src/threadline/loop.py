@@ -1059,10 +1059,11 @@ class _Execution:
                 _joined_run_ids=tuple(self.claims),
             )
             output = _json_safe(await tool.call(ctx, args))
-            # the fence again, before the result is accepted: the run may have been taken over meanwhile
-            if lifecycle is None:
-                await self.owned.fence(after=True)
-            else:
+            # The fence again before the result is accepted (the run may have been taken over meanwhile):
+            # through the lifecycle, whose fence reads the run before an application hook sees the output;
+            # without one, by the run's next owned commit, whose compare-and-swap takes the result into the
+            # run — no application code sees it first (stop policies read the run themselves, below).
+            if lifecycle is not None:
                 await lifecycle.after(info, output)  # type: ignore[misc]
         except AgentToolFenceLostError as lost:
             raise _FenceLost(lost) from lost
@@ -1340,6 +1341,8 @@ class _Execution:
                 return "provider_stop", None
             # the tool results are checkpointed with the next request's admission, or by the terminal
             ctx.parts = tuple(self.parts)
+            if env.settings.stop_policies and self._lifecycle is None:
+                await self.owned.fence(after=True)  # application code is about to see the results
             for policy in env.settings.stop_policies:
                 if await self._callback(policy.should_stop, ctx):
                     return "policy_stop", policy.name

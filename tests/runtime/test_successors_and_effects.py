@@ -372,3 +372,40 @@ async def test_a_tool_sees_its_owner_token_and_a_stable_key_and_a_takeover_durin
     draft = next(m for m in snapshot.messages if m.id == run.assistant_message_id)
     assert not any(p.type == "tool-result" for p in draft.parts)
     await runtime.close()
+
+
+async def test_a_stop_policy_never_sees_a_result_of_a_tool_during_which_the_run_was_taken_over(store: Any) -> None:
+    """Application code that would see a tool's result before the run's next commit gets it only after the
+    fence read the run again: a stale executor's result reaches no stop policy."""
+    release, inside = asyncio.Event(), asyncio.Event()
+    seen: list[Any] = []
+
+    @define_agent_tool
+    async def effect() -> str:
+        inside.set()
+        await release.wait()
+        return "applied"
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if not returns_in(messages):
+            yield {0: DeltaToolCall(name="effect", json_args="{}", tool_call_id="call-1")}
+        else:
+            yield "done"
+
+    policy = {"name": "watch", "should_stop": lambda ctx: seen.append(ctx.parts) or False}
+    runtime = make_runtime(store, Script(handler), tools=[effect], loop={"stop_policies": [policy]})
+    ticket = submit(runtime, "k", "go")
+    run = (await wait(ticket.admission)).run
+    await wait(inside.wait())
+    current = await store.load_run(conversation_id="c1", run_id=run.id)
+    requeued = await store.recover_run(
+        conversation_id="c1", run_id=run.id, expected_revision=current.run.revision, action="requeue", replay_safe=True
+    )
+    await store.acquire_run(
+        conversation_id="c1", run_id=run.id, expected_revision=requeued.run.revision, owner_id="executor-b"
+    )
+    release.set()
+    with pytest.raises(AgentRunOwnershipConflictError):
+        await wait(ticket.result)
+    assert seen == [], "the stop policy never saw the stale result"
+    await runtime.close()

@@ -80,7 +80,9 @@ async def test_the_step_finish_commit_is_the_fence_unless_an_application_hook_ma
     """The finish commit before a step's tools is a compare-and-swap on owner and fencing token: when
     nothing can run between it and the calls, it is their fence. An application ``before`` hook, or a
     callable approval rule, may wait on anything: then the fence reads the run again, once per call. After
-    the tool returned, the fence always reads the run again before the result is accepted."""
+    the tool returned, the result is accepted by the next owned commit (its compare-and-swap is the fence)
+    unless application code sees it first: an application ``after`` hook gets it only after the fence
+    lifecycle read the run again, a stop policy only after one read of the run per step."""
     effects: list[str] = []
 
     @define_agent_tool
@@ -93,9 +95,10 @@ async def test_the_step_finish_commit_is_the_fence_unless_an_application_hook_ma
         return stats.calls if stats is not None else 0
 
     cases: list[tuple[dict[str, Any], int]] = [
-        ({}, 1),
+        ({}, 0),
         ({"tool_lifecycle": AgentToolLifecycle(before=lambda call: None)}, 2),
-        ({"tool_approval": lambda call: False, "tool_approval_secret": SECRET}, 2),
+        ({"tool_approval": lambda call: False, "tool_approval_secret": SECRET}, 1),
+        ({"stop_policies": [{"name": "never", "should_stop": lambda ctx: False}]}, 1),
     ]
     for n, (loop, reads) in enumerate(cases):
         runtime = make_runtime(store, call_then_answer("effect"), tools=[effect], loop=loop)

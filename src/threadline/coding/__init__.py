@@ -16,6 +16,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .artifacts import (
+        create_memory_agent_coding_artifact_store as create_memory_agent_coding_artifact_store,
+        create_sqlite_agent_coding_artifact_store as create_sqlite_agent_coding_artifact_store,
+    )
+    from .contract import (
+        AUTHORIZATION_OPERATIONS as AUTHORIZATION_OPERATIONS,
+        DEFAULT_EXCLUDED_DIRECTORIES as DEFAULT_EXCLUDED_DIRECTORIES,
+        AgentCodingArtifactSlice as AgentCodingArtifactSlice,
+        AgentCodingArtifactStore as AgentCodingArtifactStore,
+        AgentCodingToolLimits as AgentCodingToolLimits,
+    )
+    from .sandbox import AgentSandboxUnavailableError as AgentSandboxUnavailableError
+    from .tools import (
+        AGENT_CODING_TOOL_NAMES as AGENT_CODING_TOOL_NAMES,
+        create_agent_coding_tools as create_agent_coding_tools,
+    )
     from .workspace import (
         WalkEntry as WalkEntry,
         WalkLimits as WalkLimits,
@@ -35,6 +51,16 @@ if TYPE_CHECKING:
     )
 
 _EXPORTS: dict[str, str] = {
+    "create_memory_agent_coding_artifact_store": ".artifacts",
+    "create_sqlite_agent_coding_artifact_store": ".artifacts",
+    "AUTHORIZATION_OPERATIONS": ".contract",
+    "DEFAULT_EXCLUDED_DIRECTORIES": ".contract",
+    "AgentCodingArtifactSlice": ".contract",
+    "AgentCodingArtifactStore": ".contract",
+    "AgentCodingToolLimits": ".contract",
+    "AgentSandboxUnavailableError": ".sandbox",
+    "AGENT_CODING_TOOL_NAMES": ".tools",
+    "create_agent_coding_tools": ".tools",
     "WalkEntry": ".workspace",
     "WalkLimits": ".workspace",
     "WalkStats": ".workspace",

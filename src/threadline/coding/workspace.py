@@ -73,6 +73,7 @@ __all__ = (
     "WorkspaceSymlinkError",
     "WorkspaceUnavailableError",
     "join_segments",
+    "open_regular_file_at",
     "scan_directory",
     "write_file_at",
 )
@@ -282,7 +283,7 @@ class WorkspaceFile:
         self.close()
 
 
-def _open_regular_at(dir_fd: int, name: str, relative: str) -> WorkspaceFile:
+def open_regular_file_at(dir_fd: int, name: str, relative: str) -> WorkspaceFile:
     """Open ``name`` under ``dir_fd`` if it is a regular file: looked at first (a FIFO or device is never
     opened), opened non-blocking without following a symlink, then checked to be the inode looked at."""
     try:
@@ -480,7 +481,7 @@ class WalkEntry:
     depth: int
 
     def open(self) -> WorkspaceFile:
-        return _open_regular_at(self.dir_fd, self.name, self.path)
+        return open_regular_file_at(self.dir_fd, self.name, self.path)
 
 
 Admit = Callable[[str, EntryKind], "bool | Awaitable[bool]"]
@@ -630,7 +631,7 @@ class Workspace:
         relative = join_segments(segments)
         parent = self.open_directory(segments[:-1])
         try:
-            opened = _open_regular_at(parent, segments[-1], relative)
+            opened = open_regular_file_at(parent, segments[-1], relative)
             try:
                 _check_spelling(parent, segments[-1], opened.identity, relative)
             except BaseException:
@@ -679,6 +680,17 @@ class Workspace:
             return _identity(os.fstat(fd))
         finally:
             os.close(fd)
+
+    def entry_kind(self, segments: Sequence[str]) -> EntryKind | None:
+        """What is at ``segments`` (without following a symlink), or ``None`` when nothing is; the ancestors
+        are opened as :meth:`open_directory` does (and refuse the same way)."""
+        parent = self.open_directory(segments[:-1])
+        try:
+            return _kind(os.stat(segments[-1], dir_fd=parent, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(parent)
 
     def plan_missing_directories(self, segments: Sequence[str]) -> list[str]:
         """The ancestors of the file at ``segments`` that do not exist yet, outermost first, as

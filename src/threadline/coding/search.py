@@ -103,8 +103,14 @@ def compile_search_regex(pattern: str) -> Any:
             "this pattern is not a valid regular expression",
             hint="fix the expression, or pass regex=false to search for the text literally",
             pattern=pattern,
-            reason=str(error.args[0] if error.args else error)[:200],
+            reason=_reason(error),
         )
+
+
+def _reason(error: Exception) -> str:
+    first = error.args[0] if error.args else error
+    text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+    return text[:200]
 
 
 def _cut_line(line: bytes) -> tuple[str, bool]:

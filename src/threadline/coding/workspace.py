@@ -761,8 +761,8 @@ class Workspace:
         through directories opened by descriptor.
 
         Per entry, in order: symlinks are skipped and counted (``stats.skipped_symlinks``); a directory is
-        skipped when ``exclude(relative, name)`` says so (counted, outside the scope), when ``prune(relative)``
-        is false (no match can lie below it) or when ``admit(relative, 'directory')`` refuses (recorded in
+        skipped when ``prune(relative)`` is false (no match can lie below it), when ``exclude(relative, name)``
+        says so (counted, outside the scope) or when ``admit(relative, 'directory')`` refuses (recorded in
         ``stats.denied``) — all before it is opened; a file is skipped when ``include(relative)`` is false
         (silently) or ``admit(relative, 'file')`` refuses (recorded). ``admit`` may be sync or async and
         sees each path before anything below it is opened.
@@ -798,11 +798,11 @@ class Workspace:
                     stats.skipped_symlinks += 1
                     continue
                 if entry.kind == "directory":
-                    if exclude is not None and exclude(relative, entry.name):
-                        stats.excluded_directories += 1
-                        continue
                     if prune is not None and not prune(relative):
                         stats.pruned_directories += 1
+                        continue
+                    if exclude is not None and exclude(relative, entry.name):
+                        stats.excluded_directories += 1
                         continue
                     if depth + 1 > limits.max_depth:
                         stats.reason("max-search-depth")

@@ -55,6 +55,11 @@ class OutputBudget:
         return True
 
 
+def _identity_of(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
 def walk_limits(config: CodingConfig, started: float) -> WalkLimits:
     limits = config.limits
     return WalkLimits(
@@ -162,6 +167,13 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             relative = join_segments(segments)
             try:
                 await authorize(config, {"operation": "list", "path": relative})
+                if config.workspace.directory_identity(segments) != _identity_of(fd):
+                    refuse(
+                        "CONFLICT",
+                        "this directory was replaced while the listing was being authorized",
+                        path=relative,
+                        hint="call list_directory again",
+                    )
                 cap = min(limits.max_list_entries, limits.max_search_entries)
                 stats = new_stats(config)
                 stats.directories = 1

@@ -129,11 +129,12 @@ async def test_pathological_regex_on_a_long_line_finishes(make_tools, workspace:
 
 async def test_search_coverage_reasons(make_tools, workspace: Path) -> None:
     (workspace / "blob.bin").write_bytes(b"hello \xff\xfe")
+    (workspace / "nul.bin").write_bytes(b"hello\x00")
     (workspace / "big.txt").write_text("hello\n" * 100)
     tools = make_tools(limits=AgentCodingToolLimits(max_read_bytes=200), deny=("src/util.py",))
     result = await tools.call("search_files", query="hello")
     assert [m["path"] for m in result["matches"]] == ["README.md", "src/app.py"]
-    assert set(result["coverage"]["reasons"]) == {"invalid-utf8", "max-read-bytes", "denied"}
+    assert set(result["coverage"]["reasons"]) == {"invalid-utf8", "binary", "max-read-bytes", "denied"}
     assert result["coverage"]["complete"] is False and result["truncated"] is True
     assert result["denied"] == [{"path": "src/util.py", "kind": "file"}]
 

@@ -6,7 +6,7 @@ marked (``excluded: true``), entries the host's path policy refuses are named in
 full empty result from partial work. Reasons: ``denied``, ``unreadable``, ``max-list-entries``,
 ``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
 ``max-search-results``, ``max-search-bytes``, ``max-search-output-bytes``, ``max-read-bytes``,
-``invalid-utf8``, ``timeout``.
+``invalid-utf8``, ``binary``, ``timeout``.
 """
 
 from __future__ import annotations

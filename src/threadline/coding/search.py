@@ -10,7 +10,8 @@ alternation, classes, ``\\b``, quantifiers, ``(?i)``-style flags); ``^``/``$`` m
 no match spans a newline.
 
 A content search reads one file at a time, each whole and at most ``max_read_bytes`` (a larger file is
-skipped: reason ``max-read-bytes``), strict UTF-8 (else skipped: ``invalid-utf8``), within the aggregate
+skipped: reason ``max-read-bytes``), strict UTF-8 (else skipped: ``invalid-utf8``; a NUL in the first 64 KiB
+marks a binary file, skipped unread beyond that block: ``binary``), within the aggregate
 ``max_search_bytes``. The walk, its budgets and the coverage report are the discovery tools'.
 """
 
@@ -51,6 +52,7 @@ __all__ = ("MAX_LINE_BYTES", "MAX_QUERY_CHARS", "compile_search_regex", "create_
 MAX_QUERY_CHARS = 8_192
 MAX_LINE_BYTES = 8_192
 MAX_CONTEXT_LINES = 10
+_BINARY_PROBE = 65_536
 
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
@@ -307,7 +309,14 @@ class _Search:
                 self.stats.reason("max-search-bytes")
                 return False
             try:
-                data = opened.read(0, opened.size)
+                # a NUL in the first block marks a binary file: skipped (reason "binary") without reading on
+                data = opened.read(0, min(opened.size, _BINARY_PROBE))
+                if b"\x00" in data:
+                    self.content_bytes += len(data)
+                    self.stats.reason("binary")
+                    return True
+                if opened.size > len(data):
+                    data += opened.read(len(data), opened.size - len(data))
             except OSError:
                 self.stats.error(entry.path, "read", "EIO")
                 return True

@@ -21,6 +21,7 @@ Failures are classified by exception type, never by message text. The tree::
     │   ├── AgentStoreUnavailableError    the database cannot be reached or was closed
     │   ├── AgentStoreSchemaError         the database schema is unknown, partial or unsupported
     │   ├── AgentStoreCorruptRecordError  a stored row is malformed or foreign
+    │   ├── AgentStoreCapabilityError     the store's driver does not offer this optional capability
     │   ├── AgentArchiveRejectedError     an archive cannot be imported or branched from (``code`` says why)
     │   └── AgentBranchRefusedError       a branch request cannot be carried out (``code`` says why)
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
@@ -37,10 +38,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = (
-    "AgentConfigError",
-    "AgentContextOverflowError",
     "AgentArchiveRejectedError",
     "AgentBranchRefusedError",
+    "AgentConfigError",
+    "AgentContextOverflowError",
     "AgentConversationPurgedError",
     "AgentIdempotencyConflictError",
     "AgentRecordNotFoundError",
@@ -54,6 +55,7 @@ __all__ = (
     "AgentRuntimeClosedError",
     "AgentRuntimeUsageError",
     "AgentStoreBusyError",
+    "AgentStoreCapabilityError",
     "AgentStoreConflictError",
     "AgentStoreCorruptRecordError",
     "AgentStoreError",
@@ -187,6 +189,15 @@ class AgentStoreCorruptRecordError(AgentStoreError):
     def __init__(self, message: str, *, where: str) -> None:
         super().__init__(f"{where}: {message}")
         self.where = where
+
+
+class AgentStoreCapabilityError(AgentStoreError):
+    """The store's driver does not offer an optional capability (the event ledger, say): it is reported
+    absent, never faked. ``capability`` names it."""
+
+    def __init__(self, capability: str, message: str) -> None:
+        super().__init__(message)
+        self.capability = capability
 
 
 class AgentArchiveRejectedError(AgentStoreError):

@@ -7,8 +7,7 @@ JSON exactly as written, so a journal read back, exported and imported is the sa
 records here are how a reader interprets a payload (:func:`decode_agent_store_event`).
 
 A ``runtime/transition`` payload is the *command* of one store mutation (``type`` and ``input``, as
-stitchkit records it), plus the conversation ``version`` it produced and the state of the runs it
-wrote. Replaying the commands through the same pure reducer, each at its ``occurred_at``, rebuilds the
+stitchkit records it), plus the conversation ``version`` it produced. Replaying the commands through the same pure reducer, each at its ``occurred_at``, rebuilds the
 conversation (:mod:`threadline.store.replay`). Two inputs are recorded other than as given, so a
 checkpoint never copies the growing draft into the journal and every terminal stands on its own:
 
@@ -44,7 +43,6 @@ from ..records import (
     Part,
     Run,
     RunOperation,
-    RunState,
     SeedRecord,
 )
 from ..usage import AgentUsage
@@ -52,6 +50,7 @@ from ..usage import AgentUsage
 __all__ = [
     "AGENT_STORE_EVENT_KINDS",
     "EVENT_SCHEMA_VERSION",
+    "AgentBranchReceipt",
     "AgentStoreEvent",
     "AgentStoreEventDraft",
     "AgentStoreEventKind",
@@ -254,18 +253,9 @@ class SeedInput(_Record):
     placement: Literal["lead", "after-settled"] = "lead"
 
 
-class RunStateRecord(_Record):
-    """A run as a transition left it (for readers; replay does not need it)."""
-
-    id: str = Field(min_length=1)
-    state: RunState
-    revision: int = Field(ge=1)
-
-
 class _Transition(_Record):
     version: int = Field(ge=0)
     """The conversation version the transition produced."""
-    runs: tuple[RunStateRecord, ...] = ()
 
 
 class AcceptTransition(_Transition):
@@ -338,10 +328,28 @@ or :func:`decode_agent_store_event`)."""
 # -------------------------------------------------------------------------------------- runtime/baseline
 
 
+class AgentBranchReceipt(_Record):
+    """What a branch bound: source and destination, the exact source boundary (``source_seq``,
+    ``source_version``), the digest of what was copied and the request's fingerprint. Kept in the
+    destination's first event, so a retry returns it even after either conversation moved on."""
+
+    request_key: str = Field(min_length=1)
+    destination_conversation_id: str = Field(min_length=1)
+    source_kind: Literal["conversation", "archive"]
+    source_conversation_id: str = Field(min_length=1)
+    through_run_id: str | None = None
+    source_seq: int = Field(ge=0)
+    source_version: int = Field(ge=0)
+    source_digest: str = Field(min_length=64, max_length=64)
+    request_fingerprint: str = Field(min_length=64, max_length=64)
+    created_at: AwareDatetime
+
+
 class BaselineRecord(_Record):
-    """A conversation as it stood when the ledger began (a migrated database): its whole normalized state,
-    at ``seq`` 1. ``as_of`` is the time of the last message it describes; ``compacted`` names the messages
-    compaction had folded away (they are in ``messages``, inactive)."""
+    """A conversation as it stood when its ledger began, at ``seq`` 1: a database migrated to the ledger,
+    or a branch (``branch``: its receipt). Its whole normalized state; ``as_of`` is the time of the last
+    message it describes; ``compacted`` names the messages compaction had folded away (they are in
+    ``messages``, inactive)."""
 
     as_of: datetime | None = None
     compacted: tuple[str, ...] = ()
@@ -350,6 +358,7 @@ class BaselineRecord(_Record):
     runs: tuple[Run, ...] = ()
     receipts: tuple[AdmissionReceipt, ...] = ()
     seeds: tuple[SeedRecord, ...] = ()
+    branch: AgentBranchReceipt | None = None
 
 
 class BranchObservationRecord(_Record):
@@ -366,26 +375,21 @@ class BranchObservationRecord(_Record):
 # ----------------------------------------------------------------------------------------------- provider
 
 
-class PrefixBase(_Record):
-    count: int = Field(ge=0)
-    sha256: str = Field(min_length=64, max_length=64)
-
-
 class PrefixDigest(_Record):
     """The settled prefix of a request: ``count`` messages whose chained digest is ``sha256``
-    (:func:`threadline.ledger.digests.chain`). ``extends`` names an earlier request's prefix this one
-    continues and ``added`` the digests appended to it since, so the journal alone orders every body."""
+    (:func:`threadline.ledger.digests.chain`). ``added`` are the digests appended to a prefix an earlier
+    request named (the one of ``count - len(added)`` messages; the empty prefix when that is 0), so the
+    journal alone orders every body."""
 
     count: int = Field(ge=0)
     sha256: str = Field(min_length=64, max_length=64)
-    extends: PrefixBase | None = None
     added: tuple[str, ...] = ()
 
 
 class ProviderRequestRecord(_Record):
     """What one provider call was sent, by digest: the effective instructions (after ``prepare_step``),
-    the settled prefix (constant size: a chained digest and a count) and the live tail's message digests.
-    ``body_sha256`` chains the instructions with every message."""
+    the settled prefix (constant size: a chained digest and a count, and the digests added since an
+    earlier request's prefix) and the live tail's message digests."""
 
     run_id: str = Field(min_length=1)
     attempt: int = Field(ge=1)
@@ -394,7 +398,6 @@ class ProviderRequestRecord(_Record):
     instructions_sha256: str
     prefix: PrefixDigest
     message_shas: tuple[str, ...] = ()
-    body_sha256: str
 
 
 class ProviderMessageRecord(_Record):

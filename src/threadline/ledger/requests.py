@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic_ai.messages import ModelMessage
 
-from .digests import PrefixDigests, body_digest, instructions_digest, message_body, message_digest
+from .digests import PrefixDigests, instructions_digest, message_body, message_digest
 
 __all__ = ["provider_request_records"]
 
@@ -45,20 +45,15 @@ def provider_request_records(
     base = state.base()
     start = base[0] if base is not None else 0
     added = state.shas[start:count]
-    prefix: dict[str, Any] = {"count": count, "sha256": state.chains[count]}
-    if base is not None:
-        prefix["extends"] = {"count": base[0], "sha256": base[1]}
-    prefix["added"] = added
-    instructions_sha256 = instructions_digest(instructions)
+    prefix: dict[str, Any] = {"count": count, "sha256": state.chains[count], "added": added}
     request = {
         "run_id": run_id,
         "attempt": attempt,
         "step_number": step,
         **({"model_id": model_id} if model_id else {}),
-        "instructions_sha256": instructions_sha256,
+        "instructions_sha256": instructions_digest(instructions),
         "prefix": prefix,
         "message_shas": tail,
-        "body_sha256": body_digest(instructions_sha256, prefix["sha256"], tail),
     }
     bodies = dict(zip(tail, tail_bodies, strict=True))
     events: list[dict[str, Any]] = []

@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from ..errors import AgentRecordValidationError
+from ..errors import AgentRecordValidationError, AgentStoreCapabilityError
 from ..ledger.events import (
     RUNTIME_KINDS,
     AgentStoreEvent,
@@ -77,7 +77,7 @@ def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
         return model.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in (field, *first["loc"]))
+        where = ".".join(str(p) for p in (field, *first["loc"]) if p != "")
         raise AgentRecordValidationError(f"{where}: {first['msg']}", field=where) from error
 
 
@@ -98,20 +98,20 @@ def _usage(value: object) -> AgentUsage | None:
     return _validated(AgentUsage, value, "usage")  # type: ignore[arg-type]
 
 
+def _draft(value: AgentStoreEventDraft | Mapping[str, Any], at: str) -> AgentStoreEventDraft:
+    """One declared ledger record, checked: a declared kind the store does not reserve, and a payload that
+    is that kind's typed record (``at`` prefixes the field an error names)."""
+    draft = _validated(AgentStoreEventDraft, value, at.rstrip("."))
+    if draft.kind in RUNTIME_KINDS:
+        raise AgentRecordValidationError(
+            f"{at}kind {draft.kind!r} is written by the store itself; declare another kind", field=f"{at}kind"
+        )
+    payload_record(draft.kind, draft.payload, where=f"{at}payload")
+    return draft
+
+
 def _drafts(values: Sequence[AgentStoreEventDraft | Mapping[str, Any]]) -> tuple[AgentStoreEventDraft, ...]:
-    """Declared ledger records, checked: a declared kind the store does not reserve, and a payload that
-    is that kind's typed record."""
-    out = []
-    for i, value in enumerate(values):
-        draft = _validated(AgentStoreEventDraft, value, f"events[{i}]")
-        if draft.kind in RUNTIME_KINDS:
-            raise AgentRecordValidationError(
-                f"events[{i}].kind {draft.kind!r} is written by the store itself; declare another kind",
-                field=f"events[{i}].kind",
-            )
-        payload_record(draft.kind, draft.payload, where=f"events[{i}].payload")
-        out.append(draft)
-    return tuple(out)
+    return tuple(_draft(value, f"events[{i}].") for i, value in enumerate(values))
 
 
 def _require_text(value: object, field: str) -> None:
@@ -164,6 +164,21 @@ class AgentRuntimeStore:
 
     async def aclose(self) -> None:
         await self.driver.aclose()
+
+    @property
+    def ledger(self) -> bool:
+        """Whether the driver keeps the event ledger (``driver.ledger``; the built-in drivers do). Without
+        it the ledger's methods raise :class:`~threadline.errors.AgentStoreCapabilityError`."""
+        return bool(getattr(self.driver, "ledger", False))
+
+    def _require_ledger(self) -> None:
+        if not self.ledger:
+            raise AgentStoreCapabilityError(
+                "ledger",
+                f"the store's driver ({type(self.driver).__name__}) does not keep the event ledger; implement "
+                "its row primitives (load_events, load_provider_bodies, load_all_receipts, load_all_seeds, and "
+                "the events of Write) and set driver.ledger = True",
+            )
 
     # ---------------------------------------------------------------------------------- mutations
 
@@ -490,6 +505,7 @@ class AgentRuntimeStore:
         remain in the range. Bounded and indexed: a page costs its rows wherever it starts. An unknown or
         purged conversation has no events."""
         _require_text(conversation_id, "conversation_id")
+        self._require_ledger()
         op = functools.partial(
             reducer.read_events, conversation_id=conversation_id, from_seq=from_seq, to_seq=to_seq, limit=limit
         )
@@ -510,7 +526,8 @@ class AgentRuntimeStore:
         returned. Creates the conversation's head when it has none (version 0); a purged conversation is
         refused. Cancelling the caller does not withdraw a write already handed to the driver."""
         _require_text(conversation_id, "conversation_id")
-        (draft,) = _drafts([{"kind": kind, "payload": payload, **({"ignorable": True} if ignorable else {})}])
+        self._require_ledger()
+        draft = _draft({"kind": kind, "payload": payload, **({"ignorable": True} if ignorable else {})}, "")
         if occurred_at is not None and (not isinstance(occurred_at, datetime) or occurred_at.tzinfo is None):
             raise AgentRecordValidationError(
                 f"occurred_at is a timezone-aware datetime, got {occurred_at!r}", field="occurred_at"
@@ -531,6 +548,8 @@ class AgentRuntimeStore:
         seeds) and companion projection envelopes, as RFC 8785 canonical JSON. Reads only."""
         from .transfer import export_conversation
 
+        self._require_ledger()
+
         return await export_conversation(self, conversation_id)
 
     async def import_conversation(self, data: bytes) -> Any:
@@ -539,6 +558,8 @@ class AgentRuntimeStore:
         anything wrong is :class:`~threadline.errors.AgentArchiveRejectedError` naming the offence, and
         nothing is written. Durable on return: one transaction writes it all."""
         from .transfer import import_conversation
+
+        self._require_ledger()
 
         return await import_conversation(self, data)
 
@@ -553,6 +574,8 @@ class AgentRuntimeStore:
         """Copy a settled prefix of a conversation (or an archive) into a new, independent conversation
         with new engine identities (see :func:`threadline.store.transfer.branch_conversation`)."""
         from .transfer import branch_conversation
+
+        self._require_ledger()
 
         return await branch_conversation(
             self,

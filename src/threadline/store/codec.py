@@ -7,6 +7,7 @@ an unknown ``schema_version`` :class:`~threadline.errors.AgentRecordSchemaVersio
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -41,6 +42,27 @@ def event_digest(event: AgentStoreEvent) -> str | None:
         sha = event.payload.get("sha256")
         return sha if isinstance(sha, str) else None
     return None
+
+
+PACK_FROM = 384
+"""Characters: a stored ledger body this long or longer is kept zlib-compressed (a BLOB; shorter ones stay
+text). Event JSON repeats its keys, ids and digests, and compresses to about half: what keeps a
+conversation's database, ledger included, within DESIGN §5's size target."""
+
+
+def pack(body: str) -> str | bytes:
+    """A ledger body as the SQLite driver stores it (see :data:`PACK_FROM`)."""
+    return zlib.compress(body.encode(), 6) if len(body) >= PACK_FROM else body
+
+
+def unpack(stored: object) -> object:
+    """What :func:`pack` stored, as JSON text (or bytes) again."""
+    if isinstance(stored, bytes):
+        try:
+            return zlib.decompress(stored)
+        except zlib.error:
+            return stored  # not ours: decoding it reports the row as corrupt
+    return stored
 
 
 def decode(model: type[M], body: object, where: str) -> M:

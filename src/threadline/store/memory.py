@@ -270,6 +270,9 @@ class _Copying:
 class MemoryStoreDriver:
     """In-process driver. Transactions are serialized by one lock; a failed operation writes nothing."""
 
+    ledger = True
+    """This driver keeps the event ledger (``threadline_events``)."""
+
     def __init__(self) -> None:
         self._tables: dict[str, _Conversation] = {}
         self._tombstones: set[str] = set()

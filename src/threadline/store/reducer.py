@@ -35,6 +35,7 @@ from ..errors import (
     AgentRunStateConflictError,
     AgentStoreConflictError,
 )
+from ..ledger.events import AgentStoreEvent, AgentStoreEventDraft, AgentStoreEventPage, parts_digest
 from ..records import (
     ACQUIRED_RUN_STATES,
     RUN_STATE_FOR_REASON,
@@ -56,7 +57,6 @@ from ..records import (
     evolve,
     run_invariant_problem,
 )
-from ..ledger.events import AgentStoreEvent, AgentStoreEventDraft, AgentStoreEventPage, parts_digest
 from ..usage import AgentUsage, stored_usage
 from .driver import (
     HeadState,
@@ -273,10 +273,6 @@ def _events(
     return evolve(head, {"event_seq": seq}), tuple(out)
 
 
-def _run_states(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    return [{"id": r.__dict__["id"], "state": r.__dict__["state"], "revision": r.__dict__["revision"]} for r in runs]
-
-
 def _recorded(
     mutation: Mutation,
     now: Timestamp,
@@ -289,8 +285,6 @@ def _recorded(
     record (``kind`` is the transition's ``type``, ``command`` its ``input``). The head counts them."""
     assert mutation.head is not None
     transition = {"type": kind, "input": command, "version": mutation.head.version}
-    if mutation.runs:
-        transition["runs"] = _run_states(mutation.runs)
     entries = [(d.kind, d.payload, d.ignorable) for d in declared]
     entries.append(("runtime/transition", transition, None))
     head, events = _events(mutation.head, now, event_id, entries)
@@ -305,7 +299,12 @@ def _recorded(
 
 
 def _owned_command(run_id: str, expected_revision: int, owner_id: str, fencing_token: int) -> dict[str, Any]:
-    return {"run_id": run_id, "expected_revision": expected_revision, "owner_id": owner_id, "fencing_token": fencing_token}
+    return {
+        "run_id": run_id,
+        "expected_revision": expected_revision,
+        "owner_id": owner_id,
+        "fencing_token": fencing_token,
+    }
 
 
 def _with_spend(command: dict[str, Any], operation: RunOperation | None, usage: AgentUsage | None) -> None:
@@ -1064,7 +1063,11 @@ def commit_run_terminal(
         command["policy_name"] = policy_name
     if absorb:
         command["absorb"] = [
-            {"run_id": c.run_id, "expected_revision": c.expected_revision, "input_message_ids": list(c.input_message_ids)}
+            {
+                "run_id": c.run_id,
+                "expected_revision": c.expected_revision,
+                "input_message_ids": list(c.input_message_ids),
+            }
             for c in absorb
         ]
     _with_spend(command, operation, usage)
@@ -1175,7 +1178,9 @@ def recover_run(
         "stale_owner": stale_owner,
         "parts": _json(settled[-1].parts),  # the full failed assistant, kept with the abandon
     }
-    w = _recorded(_stamp(Mutation(head=head, runs=(final,), messages=tuple(settled))), now, event_id, "recover", command)
+    w = _recorded(
+        _stamp(Mutation(head=head, runs=(final,), messages=tuple(settled))), now, event_id, "recover", command
+    )
     yield Write(w)
     return RecoverResult(outcome="abandoned", run=w.runs[0], assistant=w.messages[-1], version=head.version)
 

@@ -56,6 +56,7 @@ from ..errors import (
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
+from ..ledger.events import AgentStoreEvent
 from ..records import (
     ACTIVE_RUN_STATES,
     AdmissionReceipt,
@@ -68,9 +69,7 @@ from ..records import (
     ToolResultPart,
 )
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from ..ledger.events import AgentStoreEvent
-from .codec import RecordCache, decode, encode as _encode, encode_with, event_digest, foreign
-from .reducer import baseline_rows
+from .codec import RecordCache, decode, encode as _encode, encode_with, event_digest, foreign, pack, unpack
 from .driver import (
     Access,
     HeadState,
@@ -101,6 +100,7 @@ from .driver import (
     Write,
     drive_sync,
 )
+from .reducer import baseline_rows
 
 __all__ = [
     "SQLITE_SCHEMA_VERSION",
@@ -718,7 +718,7 @@ class _SqliteRows:
         rows = self.cur.execute(_EVENTS, (cid, _clamp(r.from_seq), _clamp(r.to_seq), r.limit)).fetchall()
         out = []
         for seq, body in rows:
-            event = decode(AgentStoreEvent, body, f"threadline_events conversation_id={cid} seq={seq}")
+            event = decode(AgentStoreEvent, unpack(body), f"threadline_events conversation_id={cid} seq={seq}")
             if event.conversation_id != cid or event.seq != seq:
                 where = f"threadline_events conversation_id={cid} seq={seq}"
                 raise foreign("AgentStoreEvent", where, f"{cid}/{seq}", f"{event.conversation_id}/{event.seq}")
@@ -778,7 +778,7 @@ class _SqliteRows:
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
             if m.events:
-                events = [(cid, e.seq, e.kind, event_digest(e), encode(e)) for e in m.events]
+                events = [(cid, e.seq, e.kind, event_digest(e), pack(encode(e))) for e in m.events]
                 if len(events) == 1:
                     conn.execute(_INSERT_EVENT, events[0])
                 else:
@@ -1062,6 +1062,9 @@ class SqliteStoreDriver:
     (those run on the calling thread), ``transaction_ns`` (wall time inside transactions, ``BEGIN`` to
     ``COMMIT``, on either thread) and ``checkpoints``; ``operations / transactions`` is the mean batch size.
     """
+
+    ledger = True
+    """This driver keeps the event ledger (``threadline_events``)."""
 
     def __init__(
         self,
@@ -1428,7 +1431,7 @@ class SqliteStoreDriver:
                 now=migrated_at,
             )
             conn.execute(_UPDATE_HEAD, (head.version, _encode(head), cid))
-            conn.execute(_INSERT_EVENT, (cid, event.seq, event.kind, None, _encode(event)))
+            conn.execute(_INSERT_EVENT, (cid, event.seq, event.kind, None, pack(_encode(event))))
 
     def _transaction(self, operation: Callable[[], Operation[T]], access: Access, stats: OperationStats) -> T:
         """Run one operation inside the batch's open transaction (``bench/`` wraps this hook to time it).

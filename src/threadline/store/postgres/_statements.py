@@ -244,7 +244,15 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 _DIGEST = "encode(sha256(convert_to(body, 'UTF8')), 'hex')"  # :func:`digest` on the server, any encoding
 
-PURGE_ORDER = ("purge_events", "purge_messages", "purge_runs", "purge_admissions", "purge_seeds", "purge_head", "insert_tombstone")
+PURGE_ORDER = (
+    "purge_events",
+    "purge_messages",
+    "purge_runs",
+    "purge_admissions",
+    "purge_seeds",
+    "purge_head",
+    "insert_tombstone",
+)
 BEGIN_WRITE = b"BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE"
 BEGIN_READ = b"BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
 # Every statement here is keyed by the conversation (an index lookup whatever the values), so one generic

@@ -51,7 +51,8 @@ def _summary(event: AgentStoreEvent) -> str:
         prefix = p.get("prefix", {})
         return (
             f"run {short(p.get('run_id', ''))} step {p.get('step_number')} attempt {p.get('attempt')}: "
-            f"prefix {prefix.get('count')} messages (+{len(prefix.get('added', []))}), tail {len(p.get('message_shas', []))}"
+            f"prefix {prefix.get('count')} messages (+{len(prefix.get('added', []))}), "
+            f"tail {len(p.get('message_shas', []))}"
         )
     if kind == "provider/message":
         return f"body {str(p.get('sha256', ''))[:12]}"

@@ -7,9 +7,10 @@ JSON exactly as written, so a journal read back, exported and imported is the sa
 records here are how a reader interprets a payload (:func:`decode_agent_store_event`).
 
 A ``runtime/transition`` payload is the *command* of one store mutation (``type`` and ``input``, as
-stitchkit records it), plus the conversation ``version`` it produced. Replaying the commands through the same pure reducer, each at its ``occurred_at``, rebuilds the
-conversation (:mod:`threadline.store.replay`). Two inputs are recorded other than as given, so a
-checkpoint never copies the growing draft into the journal and every terminal stands on its own:
+stitchkit records it), plus the conversation ``version`` it produced. Replaying the commands through the
+same pure reducer, each at its ``occurred_at``, rebuilds the conversation (:mod:`threadline.store.replay`).
+Two inputs are recorded other than as given, so a checkpoint never copies the growing draft into the
+journal and every terminal stands on its own:
 
 - a checkpoint's draft is a digest, ``{id, status: 'streaming', sha256, parts, bytes}`` (historical
   evidence, never an executable checkpoint input);

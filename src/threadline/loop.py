@@ -1141,16 +1141,18 @@ class _Execution:
                 continue
             found = requests.get(response.approval_id)
             request = found[0] if found else None
+            rejected = None
             if request is None or secret is None or not verify_tool_call(secret, request):
+                rejected = "has no valid signed request"
+            elif response.call_id != request.call_id:
+                rejected = "answers another call"
+            if rejected is not None:  # recorded in the ledger with the run's terminal
+                identity = {"run_id": self.run.id, "approval_id": response.approval_id, "call_id": response.call_id}
+                self.owned.attach([_ledger("approval/response-rejected", {**identity, "reason": rejected})])
                 raise _Failure(
-                    "runtime_failure",
-                    AgentApprovalInvalidError(f"approval {response.approval_id!r} has no valid signed request"),
+                    "runtime_failure", AgentApprovalInvalidError(f"approval {response.approval_id!r} {rejected}")
                 )
-            if response.call_id != request.call_id:
-                raise _Failure(
-                    "runtime_failure",
-                    AgentApprovalInvalidError(f"approval {response.approval_id!r} answers another call"),
-                )
+            assert request is not None
             call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
             self.parts.append(call)
             if response.approved:

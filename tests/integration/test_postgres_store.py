@@ -156,7 +156,8 @@ async def test_a_layout_1_schema_is_migrated_forward_and_keeps_everything(postgr
     await sql(postgres_dsn, f'DROP INDEX "{schema}".threadline_runs_assistant')
     await sql(postgres_dsn, f'ALTER TABLE "{schema}".threadline_runs DROP COLUMN assistant_message_id')
     await sql(postgres_dsn, f'DROP TABLE "{schema}".threadline_events')  # and the ledger of layout 4
-    await sql(postgres_dsn, f"UPDATE \"{schema}\".threadline_conversations SET body = (body::jsonb - 'event_seq')::text")
+    heads = f'"{schema}".threadline_conversations'
+    await sql(postgres_dsn, f"UPDATE {heads} SET body = (body::jsonb - 'event_seq')::text")
     await sql(postgres_dsn, f"UPDATE \"{schema}\".threadline_meta SET value = '1' WHERE key = 'schema_version'")
     async with handle_for(postgres_dsn, schema) as pg:
         (baseline,) = (await pg.store.read_events(conversation_id="c")).items  # the ledger begins at seq 1

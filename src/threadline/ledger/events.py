@@ -99,6 +99,10 @@ AGENT_STORE_EVENT_KINDS: frozenset[str] = frozenset(get_args(AgentStoreEventKind
 
 RUNTIME_KINDS = frozenset({"runtime/baseline", "runtime/transition", "runtime/branch-observation"})
 """Kinds only the store writes (the reducer, migration and branch): ``append_event`` refuses them."""
+PROVIDER_KINDS = frozenset({"provider/request", "provider/response", "provider/message"})
+OBSERVED_KINDS = AGENT_STORE_EVENT_KINDS - RUNTIME_KINDS - PROVIDER_KINDS
+"""Facts a branch keeps only as inert ``runtime/branch-observation`` records (state, spills, schedules,
+children, retries, the sandbox, approval rejections, durability)."""
 
 
 class _Record(BaseModel):

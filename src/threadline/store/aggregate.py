@@ -572,7 +572,9 @@ class AgentRuntimeStore:
         artifact_authorization: Any = None,
     ) -> Any:
         """Copy a settled prefix of a conversation (or an archive) into a new, independent conversation
-        with new engine identities (see :func:`threadline.store.transfer.branch_conversation`)."""
+        with new engine identities (see :func:`threadline.store.transfer._branch`). Durable on return (one
+        transaction); a cancelled call either wrote the whole copy or nothing: retry with the same
+        ``request_key`` to learn which (a retry of a created branch is ``duplicate``)."""
         from .transfer import branch_conversation
 
         self._require_ledger()

@@ -17,7 +17,7 @@ from ..errors import AgentArchiveRejectedError, ThreadlineError
 from ..ledger.events import AgentStoreEvent, BaselineRecord, parts_digest, payload_record
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord, evolve
 from . import reducer
-from .driver import drive_sync
+from .driver import Mutation, Write, drive_sync
 from .memory import _Conversation, _Rows
 from .reducer import AbsorbClaim
 
@@ -134,19 +134,17 @@ def replay_events(
                 raise _fail("a runtime/baseline is the first event of a journal", event.seq)
             base: BaselineRecord = payload_record(event.kind, event.payload)
             out.baseline = base
-            conv = tables[conversation_id] = _Conversation(head=base.head)
-            for run in base.runs:
-                conv.runs[run.id] = run
-                if run.active:
-                    conv.active.add(run.id)
-            for message in base.messages:
-                conv.messages[message.id] = message
-            for receipt in base.receipts:
-                conv.receipts[receipt.idempotency_key] = receipt
-                conv.receipt_by_input[receipt.input.id] = receipt.idempotency_key
-            for seed in base.seeds:
-                conv.seeds[seed.seed_key] = seed
-            conv.events.append(event)
+            baseline = Mutation(
+                head=base.head,
+                runs=base.runs,
+                messages=base.messages,
+                receipts=base.receipts,
+                seeds=base.seeds,
+                events=(event,),
+            )
+            rows.staged.append(Write(baseline))
+            rows.commit()
+            rows.staged.clear()
             continue
         if event.kind != "runtime/transition":
             continue

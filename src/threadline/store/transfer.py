@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,13 +35,22 @@ from ..errors import (
 )
 from ..ledger.archive import MAX_ARCHIVE_BYTES, ArchiveContent, decode_archive, encode_archive
 from ..ledger.digests import check_provider_requests
-from ..ledger.events import RUNTIME_KINDS, AgentBranchReceipt, AgentStoreEvent, BaselineRecord, payload_record
+from ..ledger.events import (
+    OBSERVED_KINDS,
+    RUNTIME_KINDS,
+    AgentBranchReceipt,
+    AgentStoreEvent,
+    BaselineRecord,
+    payload_record,
+)
 from ..records import STORAGE, ApprovalRequestPart, InputJoinedPart, Message, Part, Run, evolve
 from . import reducer
 from .replay import Replayed, replay_events, verify_snapshot
 
 if TYPE_CHECKING:
     from .aggregate import AgentRuntimeStore
+
+logger = logging.getLogger("threadline.store.transfer")
 
 __all__ = [
     "AgentBranchResult",
@@ -105,7 +115,11 @@ async def import_conversation(
     store: AgentRuntimeStore, data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES
 ) -> AgentImportResult:
     """See :meth:`AgentRuntimeStore.import_conversation`."""
-    content, _ = validated_archive(data, max_bytes=max_bytes)
+    try:
+        content, _ = validated_archive(data, max_bytes=max_bytes)
+    except AgentArchiveRejectedError as error:
+        logger.warning("import refused, nothing written: %s (at %s)", error, error.where or "the archive")
+        raise
     rows = reducer.ConversationRows(
         head=content.head,
         messages=content.messages,
@@ -117,6 +131,7 @@ async def import_conversation(
     try:
         await store._run("import_conversation", functools.partial(reducer.restore_conversation, rows=rows), "write")
     except AgentIdempotencyConflictError as error:
+        logger.warning("import of %r refused: the conversation exists in this store", content.conversation_id)
         raise AgentArchiveRejectedError(
             "IMPORT_TARGET_EXISTS",
             f"conversation {content.conversation_id!r} exists in this store; import into a store without it, "
@@ -126,29 +141,6 @@ async def import_conversation(
 
 
 # ---------------------------------------------------------------------------------------------- branch
-
-_OBSERVED = frozenset(
-    {
-        "state/set",
-        "spill/created",
-        "spill/deleted",
-        "schedule/set",
-        "schedule/fired",
-        "schedule/cancelled",
-        "schedule/late",
-        "schedule/failed",
-        "child/spawned",
-        "child/state",
-        "retry/scheduled",
-        "retry/started",
-        "sandbox/probed",
-        "approval/response-rejected",
-        "durability/step",
-        "durability/park",
-        "durability/event",
-    }
-)
-"""Facts a branch keeps only as inert ``runtime/branch-observation`` records."""
 
 
 def _canonical_sha(value: Any) -> str:
@@ -185,6 +177,28 @@ def _source_selector(source: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 async def branch_conversation(
+    store: AgentRuntimeStore,
+    *,
+    request_key: str,
+    destination_conversation_id: str,
+    source: Mapping[str, Any],
+    artifact_authorization: Any = None,
+) -> AgentBranchResult:
+    """See :func:`_branch` (a refusal is logged, and raised)."""
+    try:
+        return await _branch(
+            store,
+            request_key=request_key,
+            destination_conversation_id=destination_conversation_id,
+            source=source,
+            artifact_authorization=artifact_authorization,
+        )
+    except AgentBranchRefusedError as error:
+        logger.warning("branch into %r refused, nothing written: %s", destination_conversation_id, error)
+        raise
+
+
+async def _branch(
     store: AgentRuntimeStore,
     *,
     request_key: str,
@@ -446,7 +460,7 @@ def _rekeyed(
             entries.append((event.kind, payload))
         elif event.kind == "provider/message":
             entries.append((event.kind, payload))
-        elif event.kind in _OBSERVED:
+        elif event.kind in OBSERVED_KINDS:
             if isinstance(payload, dict) and isinstance(payload.get("run_id"), str):
                 payload = {**payload, "run_id": run_ids.get(payload["run_id"], payload["run_id"])}
             observation = {

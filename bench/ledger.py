@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/ledger.py [--turns 5000] [--events 1000000] [--page 100]
 
-- ``request_bytes``: the JSON size of a ``provider/request`` payload (step 1 of a tool turn) when the
-  conversation holds 40 and 2,000 messages. Its settled prefix is a chained digest and a count, so the
-  two must be equal (DESIGN §5); stitchkit's lists every message digest and grows with the conversation.
+- ``request_bytes`` / ``request_digests``: the JSON size of a ``provider/request`` payload (step 1 of a
+  tool turn) and the number of digests it holds when the conversation holds 40 and 2,000 messages. Its
+  settled prefix is a chained digest and a count, so the digests are the same in number (DESIGN §5); the
+  bytes differ only by the decimal digits of the count (``"count":39`` against ``"count":1999``).
+  stitchkit's lists every message digest and grows with the conversation.
 - ``export_mb_s`` / ``import_mb_s``: one conversation of ``--turns`` real turns (the workload of
   ``bench/turns.py``: a tool call, its result and a ~200-character answer per turn) exported from SQLite and
   imported into a fresh SQLite file (import validates the whole archive first: canonical form, digest,
@@ -39,17 +41,18 @@ from threadline.ledger.events import AgentStoreEvent
 from threadline.store.codec import encode, pack
 
 
-async def grow(path: Path, turns: int) -> tuple[dict[int, int], int]:
+async def grow(path: Path, turns: int) -> tuple[dict[int, tuple[int, int]], int]:
     """Run ``turns`` turns; the step-1 request size when the conversation held 40 and 2,000 messages."""
     sqlite = create_sqlite_agent_runtime_store(filename=path)
     conv = T.Conversation(T.make_runtime(sqlite.store), "ledger-bench")
-    sizes: dict[int, int] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     for _ in range(turns):
         held = conv.messages
         await conv.turn()
         if held in (40, 2000):
-            tail = await last_request(sqlite.store, conv.cid)
-            sizes[held] = len(json.dumps(tail, separators=(",", ":")))
+            tail: dict = await last_request(sqlite.store, conv.cid)  # type: ignore[assignment]
+            digests = len(tail["message_shas"]) + len(tail["prefix"]["added"]) + 2  # + prefix, instructions
+            sizes[held] = (len(json.dumps(tail, separators=(",", ":"))), digests)
     await conv.runtime.close()
     events = 0
     seq: int | None = 1
@@ -143,9 +146,11 @@ async def main() -> int:
         path = tmp / "ledger.db"
         speed = additions_s()
         sizes, events = await grow(path, max(args.turns, 1001))
+        (bytes_40, digests_40), (bytes_2000, digests_2000) = sizes[40], sizes[2000]
         print(
-            f"system=threadline store=sqlite figure=provider_request request_bytes_40={sizes.get(40)} "
-            f"request_bytes_2000={sizes.get(2000)} equal={sizes.get(40) == sizes.get(2000)} additions_s={speed:.2f}",
+            f"system=threadline store=sqlite figure=provider_request request_bytes_40={bytes_40} "
+            f"request_bytes_2000={bytes_2000} request_digests_40={digests_40} request_digests_2000={digests_2000} "
+            f"additions_s={speed:.2f}",
             flush=True,
         )
         speed = additions_s()

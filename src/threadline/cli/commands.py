@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -51,7 +52,11 @@ def _fail(message: str, status: int = EXIT_ERROR) -> typer.Exit:
 
 @contextmanager
 def _reported() -> Iterator[None]:
-    """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130."""
+    """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130. The
+    library's own log lines (a refused import, say) are not printed besides: the ``error:`` line says it."""
+    quiet = logging.getLogger("threadline")
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())
     try:
         yield
     except ThreadlineError as error:

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         AgentStoreSchemaError as AgentStoreSchemaError,
         AgentStoreUnavailableError as AgentStoreUnavailableError,
         AgentToolFenceLostError as AgentToolFenceLostError,
+        AppError as AppError,
         ThreadlineError as ThreadlineError,
     )
     from .events import (
@@ -205,7 +206,6 @@ if TYPE_CHECKING:
         AgentToolCall as AgentToolCall,
         AgentToolContext as AgentToolContext,
         AgentToolLifecycle as AgentToolLifecycle,
-        AppError as AppError,
         compose_tool_lifecycle as compose_tool_lifecycle,
         create_agent_tool_fence_lifecycle as create_agent_tool_fence_lifecycle,
         define_agent_tool as define_agent_tool,
@@ -256,6 +256,7 @@ _EXPORTS: dict[str, str] = {
     "AgentStoreSchemaError": ".errors",
     "AgentStoreUnavailableError": ".errors",
     "AgentToolFenceLostError": ".errors",
+    "AppError": ".errors",
     "ThreadlineError": ".errors",
     "AGENT_TOOL_PROGRESS_MESSAGE_MAX": ".events",
     "AdmissionEvent": ".events",
@@ -373,7 +374,6 @@ _EXPORTS: dict[str, str] = {
     "AgentToolCall": ".tools",
     "AgentToolContext": ".tools",
     "AgentToolLifecycle": ".tools",
-    "AppError": ".tools",
     "compose_tool_lifecycle": ".tools",
     "create_agent_tool_fence_lifecycle": ".tools",
     "define_agent_tool": ".tools",

@@ -23,6 +23,7 @@ Failures are classified by exception type, never by message text. The tree::
     │   └── AgentStoreCorruptRecordError  a stored row is malformed or foreign
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
     ├── AgentToolFenceLostError           a tool fence check said this executor no longer owns the run
+    ├── AppError                          a typed application error a model may see (code, message, hint)
     └── AgentContextOverflowError         a prepared step cannot fit the model window
 
 Every store error guarantees that nothing was written by the failing call — with one exception a
@@ -56,6 +57,7 @@ __all__ = (
     "AgentStoreSchemaError",
     "AgentStoreUnavailableError",
     "AgentToolFenceLostError",
+    "AppError",
     "ThreadlineError",
 )
 
@@ -203,3 +205,17 @@ class AgentToolFenceLostError(ThreadlineError):
 
 class AgentContextOverflowError(ThreadlineError):
     """A prepared step cannot fit the selected model's context window; the run ends ``context_overflow``."""
+
+
+class AppError(ThreadlineError):
+    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model."""
+
+    def __init__(
+        self, code: str, message: str, details: Any = None, hint: str | None = None, *, retryable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details
+        self.hint = hint
+        self.retryable = retryable

@@ -12,32 +12,16 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Any, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_ai.tools import ToolDefinition
 
-from .errors import AgentRuntimeUsageError, AgentToolFenceLostError, ThreadlineError
-
-if TYPE_CHECKING:
-    from .durability import AgentStepDurability, StepBody, StepReconcile
+from .durability import AgentStepDurability, StepBody, StepReconcile, run_agent_step
+from .errors import AgentRuntimeUsageError, AgentToolFenceLostError, AppError as AppError
 
 INTERNAL_SERVER_ERROR = "INTERNAL_SERVER_ERROR"
 INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
-
-
-class AppError(ThreadlineError):
-    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model."""
-
-    def __init__(
-        self, code: str, message: str, details: Any = None, hint: str | None = None, *, retryable: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.details = details
-        self.hint = hint
-        self.retryable = retryable
 
 
 def error_envelope(error: BaseException) -> dict[str, Any]:
@@ -100,8 +84,6 @@ class AgentToolContext:
         step of the same name, it gets this proof and the body does not run again.
         See :mod:`threadline.durability`.
         """
-        from .durability import run_agent_step  # durability imports this module
-
         return await run_agent_step(
             self._durability,
             self.conversation_id,

@@ -143,6 +143,7 @@ if TYPE_CHECKING:
     from .records import (
         SCHEMA_VERSION as SCHEMA_VERSION,
         AdmissionReceipt as AdmissionReceipt,
+        AgentRunFailure as AgentRunFailure,
         ApprovalRequestPart as ApprovalRequestPart,
         ApprovalResponsePart as ApprovalResponsePart,
         ControlPart as ControlPart,
@@ -344,6 +345,7 @@ _EXPORTS: dict[str, str] = {
     "ToolCallPart": ".records",
     "ToolResultPart": ".records",
     "export_json_schemas": ".records",
+    "AgentRunFailure": ".records",
     "AgentAdmission": ".runtime",
     "AgentPromptContext": ".runtime",
     "AgentRecoveryOutcome": ".runtime",
@@ -445,6 +447,7 @@ __all__ = [
     "AgentRecoveryOutcome",
     "AgentRetryPolicy",
     "AgentRunEvent",
+    "AgentRunFailure",
     "AgentRunOrderConflictError",
     "AgentRunOwnershipConflictError",
     "AgentRunRevisionConflictError",

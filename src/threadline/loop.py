@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -82,6 +83,7 @@ from .events import (
     delivered_parts,
     durable_event_id,
 )
+from .failures import FAILURE_REASONS, describe_run_failure
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
@@ -89,8 +91,10 @@ from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import (
     TEMPLATE_TIME,
+    AgentRunFailure,
     ApprovalRequestPart,
     ControlPart,
+    FailureOrigin,
     InputJoinedPart,
     Message,
     Part,
@@ -119,6 +123,8 @@ from .tools import (
 )
 from .usage import NO_USAGE, AgentUsage
 
+_store_log = logging.getLogger("threadline.store")
+_tool_log = logging.getLogger("threadline.tools")
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
 PROGRESS_MIN_INTERVAL = 0.25
 """Seconds: a tool's progress reports closer together than this are dropped."""
@@ -131,17 +137,43 @@ T = TypeVar("T")
 async def with_store_retry(call: Callable[[], Awaitable[T]]) -> T:
     """Retry a failing store call for about half a second. Decisions (conflicts, purges, unknown ids,
     bad input) are answers, not failures, and pass through at once. Retries bound a call that fails,
-    not one that hangs: give the store its own timeouts."""
+    not one that hangs: give the store its own timeouts. Giving up is logged (``threadline.store``, a
+    warning: whoever handles the error it raises logs the traceback)."""
     for delay in _RETRY_DELAYS:
         try:
             return await call()
         except _DECISIONS:
             raise
-        except Exception:
+        except Exception as error:
             if delay is None:
+                _store_log.warning(
+                    "a store call failed %d times in a row; giving up: %s: %s",
+                    len(_RETRY_DELAYS),
+                    type(error).__name__,
+                    error,
+                )
                 raise
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def _log_tool_failure(run: Run, tool_name: str, call_id: str, error: BaseException, envelope: Any) -> None:
+    """A tool call failed; the model sees ``envelope``. An :class:`AppError` is the application's own
+    answer (info, no traceback); anything else is a defect somewhere: an error with its traceback."""
+    if isinstance(error, AppError):
+        _tool_log.info(
+            "tool %r (call %s, run %s) refused: %s: %s", tool_name, call_id, run.id, error.code, error.message
+        )
+        return
+    _tool_log.error(
+        "tool %r (call %s, run %s) raised %s; the model saw %s",
+        tool_name,
+        call_id,
+        run.id,
+        type(error).__name__,
+        envelope.get("error"),
+        exc_info=error,
+    )
 
 
 COMPLETED_REASONS = frozenset({"success", "policy_stop", "provider_stop"})
@@ -217,12 +249,14 @@ class _FenceLost(Exception):
 
 
 class _Failure(Exception):
-    """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception."""
+    """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception, ``origin``
+    where it happened (None: by the reason; see :func:`threadline.failures.describe_run_failure`)."""
 
-    def __init__(self, reason: str, cause: BaseException) -> None:
+    def __init__(self, reason: str, cause: BaseException, origin: FailureOrigin | None = None) -> None:
         super().__init__(f"{reason}: {cause!r}")
         self.reason = reason
         self.cause = cause
+        self.origin = origin
         self.partial: list[Part] = []
         self.response: ModelResponse | None = None
         """What the provider had sent before a failed request (its response identity, partial usage)."""
@@ -555,7 +589,7 @@ class _OwnedRun:
                 except AgentStoreConflictError as error:
                     raise _Failure("storage_conflict", error) from error
                 except Exception as error:  # the store failed: the run cannot continue durably
-                    raise _Failure("runtime_failure", error) from error
+                    raise _Failure("runtime_failure", error, "storage") from error
                 self.run = result.run
                 return result
             raise AssertionError("unreachable")
@@ -652,7 +686,7 @@ class _OwnedRun:
         try:
             current = await self._still_owned()
         except Exception as error:
-            raise _Failure("runtime_failure", error) from error
+            raise _Failure("runtime_failure", error, "storage") from error
         if current is None:
             raise _FenceLost(RuntimeError(f"run {self.run.id} is no longer owned by {self.env.owner_id}"))
 
@@ -765,13 +799,13 @@ class _Execution:
             raise _Aborted()
         return result
 
-    async def _callback(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _callback(self, fn: Callable[..., Any], *args: Any, origin: FailureOrigin = "runtime") -> Any:
         try:
             return await _maybe_await(fn(*args))
         except AgentContextOverflowError as error:
             raise _Failure("context_overflow", error) from error
         except Exception as error:
-            raise _Failure("runtime_failure", error) from error
+            raise _Failure("runtime_failure", error, origin) from error
 
     async def _join_injections(self, step: int) -> None:
         """At a step boundary, let offered ``inject`` runs join; only still-queued, unstarted runs qualify.
@@ -1074,6 +1108,7 @@ class _Execution:
             if lifecycle is not None:
                 await lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
+            _log_tool_failure(self.run, tool_name, call_id, error, envelope)
             self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="failed", error=envelope)
             return ToolResultPart(call_id=call_id, tool_name=tool_name, outcome="error", output=envelope)
         self._finished_calls.add(call_id)
@@ -1085,7 +1120,7 @@ class _Execution:
         if rule is None:
             return False
         if callable(rule):
-            return bool(await self._callback(rule, call))
+            return bool(await self._callback(rule, call, origin="tool"))
         return call.tool_name in rule
 
     def _approval_request(self, call: ToolCallPart) -> ApprovalRequestPart:
@@ -1119,11 +1154,13 @@ class _Execution:
                 raise _Failure(
                     "runtime_failure",
                     AgentApprovalInvalidError(f"approval {response.approval_id!r} has no valid signed request"),
+                    "tool",
                 )
             if response.call_id != request.call_id:
                 raise _Failure(
                     "runtime_failure",
                     AgentApprovalInvalidError(f"approval {response.approval_id!r} answers another call"),
+                    "tool",
                 )
             call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
             self.parts.append(call)
@@ -1261,7 +1298,7 @@ class _Execution:
         env = self.env
         model = await self._callback(env.resolve_model, self)
         instructions = await self._callback(env.instructions, self)
-        tools = list(await self._callback(env.tools, self))
+        tools = list(await self._callback(env.tools, self, origin="tool"))
         by_name = {t.name: t for t in tools}
         if env.settings.tool_lifecycle is not None:
             self._lifecycle = compose_tool_lifecycle(
@@ -1344,7 +1381,7 @@ class _Execution:
             if env.settings.stop_policies and self._lifecycle is None:
                 await self.owned.fence(after=True)  # application code is about to see the results
             for policy in env.settings.stop_policies:
-                if await self._callback(policy.should_stop, ctx):
+                if await self._callback(policy.should_stop, ctx, origin="policy"):
                     return "policy_stop", policy.name
             step += 1
         return "policy_stop", "max-steps"
@@ -1442,12 +1479,14 @@ class _Execution:
     async def _execute(self) -> RunOutcome:
         cause: BaseException | None = None
         policy_name: str | None = None
+        origin: FailureOrigin | None = None
+        said: str | None = None  # why, when nothing raised
         try:
             reason, policy_name = await self._steps()
         except _Aborted:
             reason = self.control.abort_reason or "interrupted"
         except _Failure as failure:
-            reason, cause = failure.reason, failure.cause
+            reason, cause, origin = failure.reason, failure.cause, failure.origin
             if self.control.aborted:  # an abort that surfaced as a failure is still the abort
                 reason = self.control.abort_reason or reason
         except _FenceLost as lost:
@@ -1458,17 +1497,23 @@ class _Execution:
             try:
                 accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name)
             except Exception as error:  # the application's acceptance callback failed
-                reason, policy_name, cause = "runtime_failure", None, error
+                reason, policy_name, cause, origin = "runtime_failure", None, error, "policy"
             else:
                 if not accepted:
                     reason, policy_name = "output_rejected", None
+                    rule = self.env.protocol.terminal_acceptance
+                    named = repr(rule) if isinstance(rule, str) else "a callback"
+                    said = f"the protocol's terminal acceptance ({named}) refused the answer"
         if self.admitted is not None:  # the run ended before its admitted request was made: say so
             phase, detail = ("cancelled", None) if reason in INTERRUPTED_REASONS else ("failed", reason)
             ended = evolve(self.admitted, {"phase": phase, "finished_at": _now(), "detail": detail})
             self._last_step, self.admitted = (None, ended), None
-        return await self._commit(reason, policy_name, cause)
+        failure = describe_run_failure(reason, cause, origin, said) if reason in FAILURE_REASONS else None
+        return await self._commit(reason, policy_name, cause, failure)
 
-    async def _commit(self, reason: str, policy_name: str | None, cause: BaseException | None) -> RunOutcome:
+    async def _commit(
+        self, reason: str, policy_name: str | None, cause: BaseException | None, failure: AgentRunFailure | None
+    ) -> RunOutcome:
         parts = list(self.parts)
         if reason in INTERRUPTED_REASONS:
             parts = [p for p in parts if p.type != "control"] + [ControlPart()]
@@ -1489,6 +1534,7 @@ class _Execution:
                     absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
                     operation=self._last_step[1] if self._last_step is not None else None,
                     usage=self.total_usage(),
+                    failure=failure if reason in FAILURE_REASONS else None,
                 )
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:

@@ -349,6 +349,28 @@ class RunOperation(_Record):
     detail: str | None = None
 
 
+FailureOrigin = Literal["provider", "runtime", "storage", "tool", "policy"]
+FAILURE_SUMMARY_MAX = 300
+"""Characters: a failure's summary is cut to this length."""
+
+
+class AgentRunFailure(_Record):
+    """Why a run failed, in words safe to store and to show an operator: ``Run.failure`` and
+    ``AgentRuntimeResult.error``. Never a request body, a response body or a credential.
+
+    ``origin`` is where it happened: ``provider`` (the provider's stream or its silence), ``storage`` (a store
+    mutation refused or failing), ``tool`` (tool approval or a tool hook outside the model's envelope),
+    ``policy`` (a stop policy, the protocol's terminal acceptance, structured output the model could not give)
+    or ``runtime`` (the application's callbacks and anything else). ``exception_type`` is the qualified name
+    of the exception (None when nothing raised: a refusal by the protocol), ``status_code`` the HTTP status
+    when the provider answered with one, ``summary`` at most :data:`FAILURE_SUMMARY_MAX` characters."""
+
+    origin: FailureOrigin
+    exception_type: str | None = None
+    status_code: int | None = None
+    summary: str = Field(max_length=FAILURE_SUMMARY_MAX)
+
+
 class Run(_Durable):
     """One execution of a model turn for one or more inputs."""
 
@@ -370,6 +392,10 @@ class Run(_Durable):
     absorbed_into_run_id: str | None = None
     absorbed_run_ids: tuple[str, ...] = ()
     last_operation: RunOperation | None = None
+    failure: AgentRunFailure | None = Field(default=None, exclude_if=lambda failure: failure is None)
+    """Why the run failed (set by its terminal commit for ``provider_failure``, ``runtime_failure``,
+    ``storage_conflict``, ``context_overflow``, ``output_rejected`` and ``timeout``); None otherwise. Left out
+    of the JSON when None: rows written before it existed read back unchanged, and so do runs without one."""
     usage: AgentUsage = AgentUsage()
     """What the run spent so far, cumulative over every attempt and execution (a run requeued after a crash
     keeps what its earlier executions committed) and every compaction invocation's reported spend, with the

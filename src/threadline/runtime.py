@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from ._logging import ThrottledLog
 from .approvals import AgentApprovalError, AgentPendingApproval, approval_state, pending_approvals
 from .coordinator import INPUT_POLICIES, Lane, Step, Waiters, call_maybe_async, quiet
 from .errors import (
@@ -56,6 +57,7 @@ from .loop import (
     LoopEnv,
     LoopSettings,
     RunControl,
+    RunOutcome,
     StopPolicy,
     execute_run,
     model_request,
@@ -63,7 +65,7 @@ from .loop import (
 )
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
-from .records import TEMPLATE_TIME, Message, Run, RunOperation, build, validate_parts
+from .records import TEMPLATE_TIME, AgentRunFailure, Message, Run, RunOperation, build, evolve, validate_parts
 from .store.aggregate import AgentRuntimeStore
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
@@ -73,6 +75,7 @@ from .usage import AgentUsage
 
 C = TypeVar("C")
 _log = logging.getLogger("threadline.runtime")
+_events_log = logging.getLogger("threadline.events")
 VIEW_CACHE_LIMIT = 256
 """Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
 _LISTEN_RETRY_S = 1.0  # a store that could not listen is asked again at most this often
@@ -249,6 +252,22 @@ class AgentRuntimeResult(BaseModel):
     def answered(self) -> bool:
         return self.answered_by_run_id is not None
 
+    @property
+    def error(self) -> AgentRunFailure | None:
+        """Why the run failed (:attr:`Run.failure`: origin, exception type, HTTP status, a bounded summary),
+        or None — for an answered input, and for one that was interrupted, superseded, cancelled or
+        abandoned, where ``terminal_reason`` says all there is. The traceback is in the log
+        (``threadline.runtime``), never here."""
+        return self.run.failure
+
+    @property
+    def text(self) -> str:
+        """The answer's text parts joined ("" without an answer): what a chat shows."""
+        assistant = self.assistant
+        if assistant is None:
+            return ""
+        return "".join(p.text for p in assistant.parts if p.type == "text")
+
 
 # What a turn's admission and result are copied from (``build``): every value comes from store records or
 # the loop's own figures, so validating them again would only cost (about twice as much as the copy).
@@ -320,16 +339,23 @@ class AgentPromptContext:
     model: AgentModelDescriptor | None = None
 
 
-def _isolated(publisher: Callable[[Any], Any] | None, event: Any) -> None:
+def _isolated(publisher: Callable[[Any], Any] | None, event: Any, failures: ThrottledLog) -> None:
+    """Hand ``event`` to ``publisher``; a failure (raised, or by the awaitable it returned) is logged, never
+    raised: a publisher cannot change a committed run."""
     if publisher is None:
         return
     try:
         outcome = publisher(event)
         if inspect.isawaitable(outcome):
             task = asyncio.ensure_future(outcome)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    except Exception:
-        pass
+            task.add_done_callback(lambda t: _publish_failed(t, event, failures))
+    except Exception as error:
+        failures.failed("a publisher raised on a %s event", getattr(event, "type", "?"), error=error)
+
+
+def _publish_failed(task: asyncio.Future[Any], event: Any, failures: ThrottledLog) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        failures.failed("a publisher failed on a %s event", getattr(event, "type", "?"), error=task.exception())
 
 
 def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> Any:
@@ -348,6 +374,46 @@ def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> An
             "metrics": metrics,
             "answered_by_run_id": answered_by,
         },
+    )
+
+
+_QUIET_FAILURES = frozenset({"timeout", "context_overflow", "output_rejected"})
+"""Failures the application asked for or the provider's silence: a warning without a traceback."""
+
+
+def _log_outcome(run: Run, outcome: RunOutcome) -> None:
+    """One log line for an execution that did not end well (nothing on the happy path): a committed
+    failure (its traceback when an exception caused it), a lost fence, or a terminal that could not be
+    committed."""
+    if outcome.lost is not None:
+        _log.warning(
+            "run %s (conversation %r) stopped without a terminal: another executor owns it now (%s)",
+            run.id,
+            run.conversation_id,
+            type(outcome.lost).__name__,
+        )
+        return
+    if outcome.unsettled is not None or outcome.reason is None:
+        _log.error(
+            "run %s (conversation %r) could not be settled: its terminal was not committed",
+            run.id,
+            run.conversation_id,
+            exc_info=outcome.unsettled,
+        )
+        return
+    failure = outcome.run.failure
+    if not outcome.committed or failure is None:
+        return
+    quiet = outcome.reason in _QUIET_FAILURES
+    _log.log(
+        logging.WARNING if quiet else logging.ERROR,
+        "run %s (conversation %r) ended %s: %s failure: %s",
+        run.id,
+        run.conversation_id,
+        outcome.reason,
+        failure.origin,
+        failure.summary,
+        exc_info=None if quiet or outcome.cause is None else outcome.cause,
     )
 
 
@@ -464,6 +530,7 @@ class AgentRuntime:
             raise AgentConfigError("include_internal_cause is True or False", field="include_internal_cause")
         self._hand_causes = include_internal_cause or hasattr(operator_publish, "include_internal_cause")
         self._writes = _Writes()
+        self._publish_failures = ThrottledLog(_events_log)
         self._resolver: Callable[[Run], Any] | None = self.runs.resolve_context
         # without a publisher no event is built at all
         self.publishing = publish is not None
@@ -512,11 +579,11 @@ class AgentRuntime:
 
     def publish(self, event: Any) -> None:
         """Hand a delivery event to the application's publisher. A publisher failure never changes a run."""
-        _isolated(self._publish_fn, event)
+        _isolated(self._publish_fn, event, self._publish_failures)
 
     def operator_publish(self, event: Any) -> None:
         """Hand an operator event (run-started, step-finished, run-terminal) to the operator publisher."""
-        _isolated(self._operator_publish_fn, event)
+        _isolated(self._operator_publish_fn, event, self._publish_failures)
 
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
@@ -706,7 +773,7 @@ class AgentRuntime:
                     version=accepted.version,
                     outcome=accepted.outcome,
                     input=accepted.receipt.input,
-                    run=run,
+                    run=run if run.failure is None else evolve(run, {"failure": None}),  # delivery omits it
                     assistant_message_id=accepted.receipt.assistant_message_id,
                     coalesced=accepted.coalesced,
                 )
@@ -899,6 +966,7 @@ class AgentRuntime:
                     ),
                 )
             )
+        _log_outcome(run, outcome)
         if outcome.lost is not None:
             error = outcome.lost
             if not isinstance(error, AgentStoreConflictError):

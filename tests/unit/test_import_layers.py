@@ -17,6 +17,7 @@ PACKAGE = pathlib.Path(threadline.__file__).parent
 LAYERS: dict[str, int] = {
     # the base: nothing of threadline below them
     "_evolve": 0,
+    "_logging": 0,
     "errors": 0,
     "jsonvalue": 0,
     "usage": 0,
@@ -29,6 +30,7 @@ LAYERS: dict[str, int] = {
     "models": 1,
     "protocol": 1,
     "output": 1,
+    "failures": 1,
     "store": 2,
     "history": 3,
     "tools": 4,

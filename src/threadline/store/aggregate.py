@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError
-from ..records import ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
+from ..records import AgentRunFailure, ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
 from ..usage import AgentUsage
 from . import reducer
 from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
@@ -140,7 +140,15 @@ class AgentRuntimeStore:
                 total.by_request[key] = total.by_request.get(key, 0) + n
 
     async def aclose(self) -> None:
+        """Close the driver (its connections, its thread). Idempotent; later operations raise
+        :class:`~threadline.errors.AgentStoreUnavailableError`."""
         await self.driver.aclose()
+
+    async def __aenter__(self) -> AgentRuntimeStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # ---------------------------------------------------------------------------------- mutations
 
@@ -338,10 +346,11 @@ class AgentRuntimeStore:
         absorb: Sequence[AbsorbClaim | Mapping[str, Any]] = (),
         operation: RunOperation | Mapping[str, Any] | None = None,
         usage: AgentUsage | None = None,
+        failure: AgentRunFailure | Mapping[str, Any] | None = None,
     ) -> TerminalResult:
         """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
         ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
-        cumulative spend."""
+        cumulative spend, with ``failure`` why it failed (kept as ``Run.failure``)."""
         try:
             claims = _CLAIMS.validate_python(list(absorb)) if absorb else []
         except ValidationError as error:
@@ -359,6 +368,7 @@ class AgentRuntimeStore:
             absorb=claims,
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             usage=_usage(usage),
+            failure=_validated(AgentRunFailure, failure, "failure") if failure is not None else None,
             now=self._clock(),
         )
         return await self._run("commit_run_terminal", op, "write")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -259,6 +260,9 @@ class MemoryStoreDriver:
         self._closed = True
 
 
-def create_memory_agent_runtime_store() -> AgentRuntimeStore:
-    """A store whose durability ends with the process; the reference for every other driver."""
-    return create_agent_runtime_store(MemoryStoreDriver())
+def create_memory_agent_runtime_store(*, clock: Callable[[], datetime] | None = None) -> AgentRuntimeStore:
+    """A store whose durability ends with the process; the reference for every other driver. ``clock``
+    (UTC-aware), as for every store factory, is injectable for tests. Close it with ``aclose()`` or
+    ``async with``, like the SQLite and PostgreSQL handles."""
+    driver = MemoryStoreDriver()
+    return create_agent_runtime_store(driver) if clock is None else create_agent_runtime_store(driver, clock=clock)

@@ -37,6 +37,7 @@ from ..records import (
     RUN_STATE_FOR_REASON,
     TEMPLATE_TIME,
     AdmissionReceipt,
+    AgentRunFailure,
     ConversationHead,
     ConversationSnapshot,
     Message,
@@ -779,9 +780,11 @@ def commit_run_terminal(
     absorb: Sequence[AbsorbClaim] = (),
     operation: RunOperation | None = None,
     usage: AgentUsage | None = None,
+    failure: AgentRunFailure | None = None,
 ) -> Operation[TerminalResult]:
     """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
-    and — only for a completed run — absorbs the claimed queued runs in the same transaction.
+    and — only for a completed run — absorbs the claimed queued runs in the same transaction. ``failure``
+    (why a failed run failed) is kept on the run record.
 
     ``parts=None`` keeps the last checkpointed draft. ``operation``, when given, becomes the run's
     ``last_operation`` in the same commit (the last step's completion needs no checkpoint of its own).
@@ -867,6 +870,7 @@ def commit_run_terminal(
         head.version,
         **({"last_operation": operation} if operation is not None else {}),
         **({"usage": usage} if usage is not None else {}),
+        **({"failure": failure} if failure is not None else {}),
         state=state,
         terminal_reason=terminal_reason,
         policy_name=policy_name,

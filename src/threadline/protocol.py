@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import AgentRecordValidationError, AgentRuntimeUsageError
+from .errors import AgentConfigError, AgentRecordValidationError
 from .records import Part
 
 TerminalAcceptance = Literal["allow-empty", "require-output"] | Callable[..., bool]
@@ -86,9 +86,12 @@ def define_agent_protocol(
     parts, or a tool-only ``policy_stop``) or a callable receiving a :class:`TerminalCandidate`."""
     for name, value in (("context", context), ("input_metadata", input_metadata)):
         if value is not None and not (isinstance(value, type) and issubclass(value, BaseModel)):
-            raise AgentRuntimeUsageError(f"{name} must be a pydantic model class, got {value!r}")
+            hint = " (the class, not an instance)" if isinstance(value, BaseModel) else ""
+            raise AgentConfigError(f"{name} is None or a pydantic model class{hint}, got {value!r}", field=name)
     if terminal_acceptance not in ("allow-empty", "require-output") and not callable(terminal_acceptance):
-        raise AgentRuntimeUsageError(
-            f"terminal_acceptance is 'allow-empty', 'require-output' or a callable, got {terminal_acceptance!r}"
+        raise AgentConfigError(
+            f"terminal_acceptance is 'allow-empty', 'require-output' or a callable taking a TerminalCandidate, "
+            f"got {terminal_acceptance!r}",
+            field="terminal_acceptance",
         )
     return AgentProtocol(context=context, input_metadata=input_metadata, terminal_acceptance=terminal_acceptance)

@@ -11,6 +11,7 @@ position and are ordered after the settled ones by run execution order.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeAlias, get_args
@@ -29,7 +30,7 @@ from pydantic import (
 )
 
 from ._evolve import build as build, evolve as evolve
-from .errors import AgentRecordSchemaVersionError
+from .errors import AgentRecordSchemaVersionError, AgentRecordValidationError
 from .usage import AgentUsage, stored_usage
 
 STORAGE = object()
@@ -45,6 +46,40 @@ Timestamp: TypeAlias = datetime
 TEMPLATE_TIME: Timestamp = datetime(1970, 1, 1, tzinfo=UTC)
 """The placeholder time of template records (the reducer copies templates with :func:`evolve` rather than
 validate what it built itself; it reads no clock)."""
+
+
+# -------------------------------------------------------------------------------------------------- ids
+
+ID_MAX_LENGTH = 512
+"""Characters: the longest id (conversation, run, message, idempotency key, seed key, owner) accepted."""
+_ID_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def id_problem(value: object) -> str | None:
+    """Why ``value`` is not an id, or None. **The id rule**, the same for conversation ids, run ids, message
+    ids, idempotency keys, seed keys and owner ids, on every store: a ``str`` of 1 to :data:`ID_MAX_LENGTH`
+    characters holding no control character (U+0000–U+001F and U+007F: NUL included, which PostgreSQL
+    cannot store). Any other Unicode is allowed; case matters and nothing is trimmed. The ids threadline
+    draws itself (``run_…``, ``msg_…``) follow it."""
+    if type(value) is not str:
+        return f"an id is a str, got {type(value).__name__}"
+    if not value:
+        return "an id is not empty"
+    if len(value) > ID_MAX_LENGTH:
+        return f"an id has at most {ID_MAX_LENGTH} characters, got {len(value)}"
+    found = _ID_FORBIDDEN.search(value)
+    if found is not None:
+        return f"an id holds no control character, got {found.group()!r} at index {found.start()}"
+    return None
+
+
+def check_id(value: object, field: str) -> None:
+    """Refuse ``value`` unless it follows the id rule (:func:`id_problem`): an
+    :class:`~threadline.errors.AgentRecordValidationError` naming ``field``."""
+    problem = id_problem(value)
+    if problem is not None:
+        shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "…"
+        raise AgentRecordValidationError(f"{field}: {problem} ({shown!r})", field=field)
 
 
 class _Record(BaseModel):

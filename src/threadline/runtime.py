@@ -16,14 +16,24 @@ import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ._logging import ThrottledLog
 from .approvals import AgentApprovalError, AgentPendingApproval, approval_state, pending_approvals
+from .config import (
+    HistoryConfig as HistoryConfig,
+    LoopConfig as LoopConfig,
+    RunsConfig as RunsConfig,
+    model_hooks as _model_hooks,
+    prompt_source as _prompt_source,
+    runtime_store as _runtime_store,
+    section,
+    tool_source as _tool_source,
+)
 from .coordinator import INPUT_POLICIES, Lane, Step, Waiters, call_maybe_async, quiet
 from .errors import (
     AgentConfigError,
@@ -51,26 +61,24 @@ from .events import (
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import ComposedAgentPrompt, agent_instructions
 from .history.view import ConversationView
-from .inputs import check_input_parts
+from .inputs import check_input_parts, check_input_size, input_parts
 from .loop import (
-    AgentRetryPolicy,
     LoopEnv,
     LoopSettings,
     RunControl,
     RunOutcome,
-    StopPolicy,
     execute_run,
     model_request,
     with_store_retry,
 )
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
-from .records import TEMPLATE_TIME, AgentRunFailure, Message, Run, RunOperation, build, evolve, validate_parts
-from .store.aggregate import AgentRuntimeStore
+from .records import TEMPLATE_TIME, AgentRunFailure, Message, Run, RunOperation, build, evolve
+from .store.aggregate import AgentRuntimeStore, new_id
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
 from .store.results import InterruptResult, RecoverResult
-from .tools import AgentTool, AgentToolLifecycle
+from .tools import AgentTool
 from .usage import AgentUsage
 
 C = TypeVar("C")
@@ -97,76 +105,6 @@ def _takes_argument(hook: Callable[..., Any]) -> bool:
     if len(_ARITY) > 256:  # runtimes built again and again with fresh lambdas: stay bounded
         _ARITY.clear()
     return takes
-
-
-# ------------------------------------------------------------------------------------------ config
-
-
-@dataclass
-class RunsConfig:
-    """``input_policy``: a policy name or a function of the raw input returning one.
-    ``coalesce_pending``: later inputs join the single queued successor."""
-
-    input_policy: str | Callable[[AgentRuntimeInput], str] = "queue"
-    coalesce_pending: bool = False
-    owner_id: str | None = None
-    execute: bool = True
-    """False: this runtime only admits input (a web process, say) and tickets follow the stored runs
-    while other processes (``serve``, ``threadline worker``) execute them."""
-    watch_interval: float = 0.5
-    """Seconds between reads of a run executed elsewhere (``execute=False``), at most."""
-    lease_duration: float | None = None
-    """Seconds: when set, an executing run carries a lease (``lease_expires_at``) that this runtime renews
-    every third of it; another process may take the run over only once the lease expired (see
-    :func:`takeover_expired_leases`)."""
-    resolve_context: Callable[[Run], Any] | None = None
-    """The raw context of a run this runtime did not admit (sync or async; parsed with the protocol). When a
-    run this runtime executed ends, it starts the conversation's next queued run, whoever admitted it:
-    another process's queued input is then answered here instead of waiting for ``recover()``. Without it,
-    the ``resolve_context`` of this runtime's last ``recover()`` or ``serve()`` is used; with neither, such
-    a run waits for its admitter, ``resume()`` or ``recover()``."""
-
-
-@dataclass
-class LoopConfig:
-    checkpoint_every_events: int = 20
-    idle_timeout: float | None = None
-    max_steps: int = 20
-    stop_policies: Sequence[StopPolicy | Mapping[str, Any]] = ()
-    prepare_step: Callable[..., Any] | None = None
-    model_settings: Mapping[str, Any] | None = None
-    retry: AgentRetryPolicy | Mapping[str, Any] | None = None
-    tool_lifecycle: AgentToolLifecycle | None = None
-    tool_approval: Callable[..., Any] | Collection[str] | None = None
-    tool_approval_secret: str | bytes | None = None
-    step_durability: Any = None
-    """Behind ``ctx.step`` in tools, e.g. ``create_local_step_durability("steps.db")``; the application
-    creates and closes it."""
-
-
-@dataclass
-class HistoryConfig:
-    interrupted_assistant: Literal["assistant-marked", "system-note", "omit"] = "assistant-marked"
-    evidence_policy: Any = None
-    incomplete_tool_turn: Literal["drop", "error"] = "drop"
-    unresolved_file: Literal["omit", "text", "error"] = "omit"
-    resolve_file: Callable[..., Any] | None = None
-    compaction: Callable[..., Any] | None = None
-    """Runtime-managed compaction: called before every step with an ``AgentCompactionRequest``."""
-
-
-def _section(cls: type[C], value: C | Mapping[str, Any] | None, name: str) -> C:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise AgentRuntimeUsageError(f"{name} is a dict or a {cls.__name__}, got {type(value).__name__}")
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = set(value) - known
-    if unknown:
-        raise AgentRuntimeUsageError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**value)
 
 
 # ----------------------------------------------------------------------------------------- results
@@ -327,6 +265,8 @@ class AgentRuntimeTicket:
     accepted: asyncio.Future[AgentAdmission]
     result: asyncio.Future[AgentRuntimeResult]
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    idempotency_key: str | None = None
+    """The key the input was submitted with (drawn by ``submit`` when none was given): retry with it."""
 
 
 @dataclass
@@ -480,48 +420,46 @@ class AgentRuntime:
         include_internal_cause: bool = False,
     ) -> None:
         if not isinstance(protocol, AgentProtocol):
-            raise AgentRuntimeUsageError("protocol is built with define_agent_protocol(...)")
-        if not isinstance(store, AgentRuntimeStore):
-            raise AgentRuntimeUsageError("store is an AgentRuntimeStore (for SQLite: the handle's .store)")
+            raise AgentConfigError(
+                f"protocol is built with define_agent_protocol(...), got {type(protocol).__name__}", field="protocol"
+            )
         self.protocol = protocol
-        self.store = store
-        self._preflight, self._resolve = self._model_hooks(models)
-        self._prompt = prompt
-        self._tools = tools
-        self.runs = _section(RunsConfig, runs, "runs")
-        policy = self.runs.input_policy
-        if not callable(policy) and policy not in INPUT_POLICIES:
-            raise AgentRuntimeUsageError(f"runs.input_policy is one of {INPUT_POLICIES} or a function, got {policy!r}")
-        loop_config = _section(LoopConfig, loop, "loop")
+        self.store = _runtime_store(store)
+        self._preflight, self._resolve = _model_hooks(models)
+        self._prompt = _prompt_source(prompt)
+        self._tools = _tool_source(tools)
+        for name, hook in (("publish", publish), ("operator_publish", operator_publish)):
+            if hook is not None and not callable(hook):
+                raise AgentConfigError(
+                    f"{name} is None or a callable taking one event (a sink from threadline.delivery is one), "
+                    f"got {type(hook).__name__}",
+                    field=name,
+                )
+        self.runs = section(RunsConfig, runs, "runs")
+        loop_config = section(LoopConfig, loop, "loop")
         self.loop_settings = LoopSettings(
             checkpoint_every_events=loop_config.checkpoint_every_events,
             idle_timeout=loop_config.idle_timeout,
             max_steps=loop_config.max_steps,
-            stop_policies=tuple(self._stop_policy(p) for p in loop_config.stop_policies),
+            stop_policies=tuple(loop_config.stop_policies),  # type: ignore[arg-type]  # StopPolicy records now
             prepare_step=loop_config.prepare_step,
             model_settings=dict(loop_config.model_settings) if loop_config.model_settings else None,  # type: ignore[arg-type]
-            retry=None if loop_config.retry is None else _section(AgentRetryPolicy, loop_config.retry, "loop.retry"),
+            retry=loop_config.retry,  # type: ignore[arg-type]  # an AgentRetryPolicy now
             tool_lifecycle=loop_config.tool_lifecycle,
             tool_approval=loop_config.tool_approval,
             tool_approval_secret=loop_config.tool_approval_secret,
             step_durability=loop_config.step_durability,
         )
-        if loop_config.tool_approval is not None and not loop_config.tool_approval_secret:
-            raise AgentRuntimeUsageError("loop.tool_approval needs loop.tool_approval_secret to sign requests")
-        if self.loop_settings.checkpoint_every_events < 1 or self.loop_settings.max_steps < 1:
-            raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
-        history_config = _section(HistoryConfig, history, "history")
-        self.projection_options = AgentHistoryProjectionOptions.model_validate(
-            {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
-        )
-        compaction = history_config.compaction
-        if isinstance(compaction, Mapping):
-            from .history.compaction import AgentCompactionHook
-
-            compaction = AgentCompactionHook.parse(compaction)
-        if compaction is not None and not callable(compaction):
-            raise AgentRuntimeUsageError("history.compaction is a callable or an AgentCompactionHook mapping")
-        self.loop_settings.compaction = compaction
+        history_config = section(HistoryConfig, history, "history")
+        try:
+            self.projection_options = AgentHistoryProjectionOptions.model_validate(
+                {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
+            )
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = "history." + ".".join(str(p) for p in first["loc"])
+            raise AgentConfigError(f"{where}: {first['msg']}", field=where) from error
+        self.loop_settings.compaction = history_config.compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
         # internal causes (exception text) reach a plain callable only on request; a sink that declares
@@ -546,30 +484,10 @@ class AgentRuntime:
         self._watchers: set[asyncio.Future[None]] = set()
         self._listening: asyncio.Future[Any] | None = None
         self._listen_retry_at = 0.0  # loop time before which a failed first listen is not tried again
-        self._unobserve = store.observe(self._observed)
+        self._unobserve = self.store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
     # ---------------------------------------------------------------------------------- plumbing
-
-    @staticmethod
-    def _stop_policy(value: StopPolicy | Mapping[str, Any]) -> StopPolicy:
-        if isinstance(value, StopPolicy):
-            policy = value
-        elif isinstance(value, Mapping) and set(value) == {"name", "should_stop"}:
-            policy = StopPolicy(value["name"], value["should_stop"])
-        else:
-            raise AgentRuntimeUsageError("a stop policy is {'name': str, 'should_stop': callable}")
-        if policy.name == "max-steps" or not policy.name:
-            raise AgentRuntimeUsageError("stop policy names are non-empty; 'max-steps' is reserved for loop.max_steps")
-        return policy
-
-    @staticmethod
-    def _model_hooks(models: Any) -> tuple[Callable[..., Any] | None, Callable[..., Any]]:
-        preflight = models.get("preflight") if isinstance(models, Mapping) else getattr(models, "preflight", None)
-        resolve = models.get("resolve") if isinstance(models, Mapping) else getattr(models, "resolve", None)
-        if not callable(resolve):
-            raise AgentRuntimeUsageError("models needs a callable 'resolve' (and optionally 'preflight')")
-        return preflight, resolve
 
     @staticmethod
     async def _call_hook(hook: Callable[..., Any], argument: Any) -> Any:
@@ -635,13 +553,20 @@ class AgentRuntime:
         self,
         *,
         conversation_id: str,
-        idempotency_key: str,
-        context: Any,
-        parts: Sequence[Any],
+        parts: str | Sequence[Any],
+        context: Any = None,
+        idempotency_key: str | None = None,
         input_metadata: Any = None,
         record_ids: Mapping[str, str] | None = None,
     ) -> AgentRuntimeTicket:
         """Admit one input. Returns a ticket at once; call from a running event loop.
+
+        ``parts`` is a list of parts (``{"type": "text", "text": ...}``, a file part, or part records); a
+        ``str`` is one text part. ``context`` is validated against the protocol's context model.
+        ``idempotency_key`` identifies the input: retrying with the same key (after a timeout, a lost reply,
+        a restart) resolves to the same run and never admits it twice. Without one, a fresh key is drawn
+        (``ticket.idempotency_key``): the input is admitted once, but a retry that does not pass that key
+        admits it again as a new input.
 
         ``record_ids`` may fix ``input_message_id``, ``run_id`` and ``assistant_message_id`` (reuse the same
         input id when retrying a key). When ``admission`` resolves, the input, its receipt and its queued
@@ -649,10 +574,13 @@ class AgentRuntime:
         retry with the same key to find out.
         """
         loop = asyncio.get_running_loop()
+        if idempotency_key is None:
+            idempotency_key = new_id("key")
         ticket = AgentRuntimeTicket(
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            idempotency_key=idempotency_key,
         )
         ticket.task = loop.create_task(
             self._admit(ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {})
@@ -694,13 +622,14 @@ class AgentRuntime:
                 raise AgentRecordValidationError(f"record_ids has unknown keys {sorted(unknown)}", field="record_ids")
             parsed_context = self.protocol.parse_context(context)
             metadata = self.protocol.parse_input_metadata(input_metadata)
+            canonical_parts = input_parts(parts)
             raw = None  # built only for a callback that looks at it
             if (policy is None and callable(self.runs.input_policy)) or self._preflight is not None:
                 raw = AgentRuntimeInput(
                     conversation_id=conversation_id,
                     idempotency_key=idempotency_key,
                     context=context,
-                    parts=tuple(parts),
+                    parts=(parts,) if isinstance(parts, str) else tuple(parts),
                     input_metadata=input_metadata,
                 )
             if policy is None:
@@ -709,12 +638,9 @@ class AgentRuntime:
                 raise AgentRuntimeUsageError(f"input_policy returned {policy!r}; expected one of {INPUT_POLICIES}")
             if self._preflight is not None:
                 await self._call_hook(self._preflight, raw)
-            try:
-                canonical_parts = validate_parts(parts)
-            except Exception as error:
-                raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
             check_input_parts(canonical_parts, role, self.loop_settings.tool_approval_secret)
             metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
+            check_input_size(canonical_parts, metadata_json, self.runs.max_input_bytes)
             # an input for a conversation this process is not running anything in is admitted and started
             # in one commit (the store starts it only if nothing is queued or running there durably)
             idle = self.lanes.get(conversation_id)

@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "durability": 4,
     "loop": 5,
     "coordinator": 6,
+    "config": 6,
     "runtime": 7,
 }
 FACES = 8

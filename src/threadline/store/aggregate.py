@@ -19,7 +19,16 @@ from typing import Any, Literal, Protocol, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError
-from ..records import AgentRunFailure, ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
+from ..records import (
+    AgentRunFailure,
+    ConversationSnapshot,
+    MessageDraft,
+    Part,
+    Priority,
+    RunOperation,
+    check_id,
+    validate_parts,
+)
 from ..usage import AgentUsage
 from . import reducer
 from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
@@ -91,9 +100,10 @@ def _usage(value: object) -> AgentUsage | None:
     return _validated(AgentUsage, value, "usage")  # type: ignore[arg-type]
 
 
-def _require_text(value: object, field: str) -> None:
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise AgentRecordValidationError(f"{field} is a non-empty string without NUL, got {value!r}", field=field)
+def _ids(conversation_id: object, run_id: object = "-") -> None:
+    """The id rule (:func:`threadline.records.id_problem`) for the ids an operation names."""
+    check_id(conversation_id, "conversation_id")
+    check_id(run_id, "run_id")
 
 
 class AgentRuntimeStore:
@@ -178,8 +188,8 @@ class AgentRuntimeStore:
         ``lease_expires_at`` and ``operation``), and the result's run is ``running``. Otherwise the run is
         queued as usual and the caller acquires it later.
         """
-        _require_text(conversation_id, "conversation_id")
-        _require_text(idempotency_key, "idempotency_key")
+        check_id(conversation_id, "conversation_id")
+        check_id(idempotency_key, "idempotency_key")
         if priority not in ("ordinary", "urgent"):
             raise AgentRecordValidationError(f"priority is 'ordinary' or 'urgent', got {priority!r}", field="priority")
         fresh: list[str] = []
@@ -187,14 +197,19 @@ class AgentRuntimeStore:
             fresh.append(new_id("msg"))
             input = {**input, "id": fresh[-1]}
         draft = _validated(MessageDraft, input, "input")
-        if not run_id:
+        check_id(draft.id, "input.id")
+        if run_id is None:
             run_id = new_id("run")
             fresh.append(run_id)
-        if not assistant_message_id:
+        else:
+            check_id(run_id, "run_id")
+        if assistant_message_id is None:
             assistant_message_id = new_id("msg")
             fresh.append(assistant_message_id)
+        else:
+            check_id(assistant_message_id, "assistant_message_id")
         if start_for is not None:
-            _require_text(start_for, "start_for")
+            check_id(start_for, "start_for")
         op = functools.partial(
             reducer.accept_input_and_assign_run,
             conversation_id=conversation_id,
@@ -228,7 +243,8 @@ class AgentRuntimeStore:
         With ``operation`` (the first model request's admission) the same commit also writes an empty
         streaming assistant draft and records the operation as ``last_operation``: the acquisition is the
         run's first checkpoint too (``result.assistant`` is that draft)."""
-        _require_text(owner_id, "owner_id")
+        _ids(conversation_id, run_id)
+        check_id(owner_id, "owner_id")
         op = functools.partial(
             reducer.acquire_run,
             conversation_id=conversation_id,
@@ -256,6 +272,7 @@ class AgentRuntimeStore:
         """Write the streaming assistant draft of an owned run; with ``operation``, record its
         ``last_operation`` phase in the same transaction (one commit for both), and with ``usage`` the run's
         cumulative spend (:attr:`threadline.records.Run.usage`)."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.checkpoint_run_assistant,
             conversation_id=conversation_id,
@@ -283,6 +300,7 @@ class AgentRuntimeStore:
     ) -> RunResult:
         """Durably record the run's ``last_operation`` phase (before the provider is called); with ``usage``,
         the run's cumulative spend in the same commit."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.record_run_operation,
             conversation_id=conversation_id,
@@ -307,6 +325,7 @@ class AgentRuntimeStore:
         lease_expires_at: datetime,
     ) -> RunResult:
         """Extend the owner's lease on an acquired run."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.renew_run_lease,
             conversation_id=conversation_id,
@@ -323,6 +342,7 @@ class AgentRuntimeStore:
         self, *, conversation_id: str, run_id: str, expected_revision: int | None = None
     ) -> InterruptResult:
         """Durably mark an acquired run ``interrupt_requested``."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.request_run_interrupt,
             conversation_id=conversation_id,
@@ -351,6 +371,7 @@ class AgentRuntimeStore:
         """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
         ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
         cumulative spend, with ``failure`` why it failed (kept as ``Run.failure``)."""
+        _ids(conversation_id, run_id)
         try:
             claims = _CLAIMS.validate_python(list(absorb)) if absorb else []
         except ValidationError as error:
@@ -384,6 +405,7 @@ class AgentRuntimeStore:
         stale_owner: bool = False,
     ) -> RecoverResult:
         """Requeue (with replay-safe evidence) or abandon (with stale-owner evidence) an orphaned run."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.recover_run,
             conversation_id=conversation_id,
@@ -405,12 +427,15 @@ class AgentRuntimeStore:
         summary: MessageDraft | Mapping[str, Any],
     ) -> CompactionResult:
         """Replace a contiguous settled range with one summary, at exactly ``expected_version``."""
+        _ids(conversation_id)
+        draft = _validated(MessageDraft, summary, "summary")
+        check_id(draft.id, "summary.id")
         op = functools.partial(
             reducer.replace_compacted_range,
             conversation_id=conversation_id,
             expected_version=expected_version,
             replaced_message_ids=list(replaced_message_ids),
-            summary=_validated(MessageDraft, summary, "summary"),
+            summary=draft,
             now=self._clock(),
         )
         return await self._run("replace_compacted_range", op, "write")
@@ -424,9 +449,11 @@ class AgentRuntimeStore:
         placement: Literal["lead", "after-settled"] = "lead",
     ) -> SeedResult:
         """Write history no run owns, exactly once per ``seed_key``."""
-        _require_text(conversation_id, "conversation_id")
-        _require_text(seed_key, "seed_key")
+        check_id(conversation_id, "conversation_id")
+        check_id(seed_key, "seed_key")
         drafts = [_validated(MessageDraft, d, f"inputs[{i}]") for i, d in enumerate(inputs)]
+        for i, draft in enumerate(drafts):
+            check_id(draft.id, f"inputs[{i}].id")
         op = functools.partial(
             reducer.seed_conversation_input,
             conversation_id=conversation_id,
@@ -439,7 +466,7 @@ class AgentRuntimeStore:
 
     async def purge_conversation(self, *, conversation_id: str, expected_version: int | None = None) -> PurgeResult:
         """Delete the conversation and keep a permanent tombstone (see :func:`purge_agent_conversation`)."""
-        _require_text(conversation_id, "conversation_id")
+        check_id(conversation_id, "conversation_id")
         op = functools.partial(
             reducer.purge_conversation, conversation_id=conversation_id, expected_version=expected_version
         )
@@ -449,6 +476,7 @@ class AgentRuntimeStore:
 
     async def load_snapshot(self, *, conversation_id: str) -> ConversationSnapshot:
         """Every active message in causal order and every run. Unbounded; see :meth:`load_run`."""
+        _ids(conversation_id)
         return await self._run(
             "load_snapshot", functools.partial(reducer.load_snapshot, conversation_id=conversation_id), "read"
         )
@@ -456,17 +484,20 @@ class AgentRuntimeStore:
     async def load_changes(self, *, conversation_id: str, since_version: int = 0) -> ConversationChanges:
         """The messages and runs written after ``since_version``; bounded by the change. Keeps a cached
         view of a conversation current without reading it whole (see ``threadline.history.view``)."""
+        _ids(conversation_id)
         op = functools.partial(reducer.load_changes, conversation_id=conversation_id, since_version=since_version)
         return await self._run("load_changes", op, "read")
 
     async def load_run(self, *, conversation_id: str, run_id: str) -> LoadedRun | None:
         """One run with the version it was read at and, once terminal, its answer. Bounded."""
+        _ids(conversation_id, run_id)
         return await self._run(
             "load_run", functools.partial(reducer.load_run, conversation_id=conversation_id, run_id=run_id), "read"
         )
 
     async def list_active_runs(self, *, conversation_id: str) -> ActiveRuns:
         """The conversation's runs that have not ended, in execution order. Bounded."""
+        _ids(conversation_id)
         return await self._run(
             "list_active_runs", functools.partial(reducer.list_active_runs, conversation_id=conversation_id), "read"
         )
@@ -494,6 +525,7 @@ class AgentConversationReader:
         include_compacted: bool = False,
     ) -> MessagePage:
         """One page of history in causal order (see :func:`threadline.store.reducer.page_messages`)."""
+        check_id(conversation_id, "conversation_id")
         op = functools.partial(
             reducer.page_messages,
             conversation_id=conversation_id,

@@ -120,6 +120,7 @@ from .tools import (
     compose_tool_lifecycle,
     create_agent_tool_fence_lifecycle,
     error_envelope,
+    tool_result,
 )
 from .usage import NO_USAGE, AgentUsage
 
@@ -507,10 +508,6 @@ def canonical_parts(response: ModelResponse, provider: str) -> list[Part]:
         else:
             parts.append(ProviderPart(envelope=_envelope(provider, {"part": p})))
     return parts
-
-
-def _json_safe(value: Any) -> Any:
-    return to_jsonable_python(value)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -1092,7 +1089,7 @@ class _Execution:
                 _durability=self.env.settings.step_durability,
                 _joined_run_ids=tuple(self.claims),
             )
-            output = _json_safe(await tool.call(ctx, args))
+            output = tool_result(tool_name, await tool.call(ctx, args))
             # The fence again before the result is accepted (the run may have been taken over meanwhile):
             # through the lifecycle, whose fence reads the run before an application hook sees the output;
             # without one, by the run's next owned commit, whose compare-and-swap takes the result into the

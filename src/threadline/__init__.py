@@ -87,6 +87,10 @@ if TYPE_CHECKING:
         durable_event_id as durable_event_id,
         export_event_json_schemas as export_event_json_schemas,
     )
+    from .following import (
+        AGENT_TICKET_EVENTS_MAX as AGENT_TICKET_EVENTS_MAX,
+        ResyncEvent as ResyncEvent,
+    )
     from .history.compaction import (
         AgentCompactableHistory as AgentCompactableHistory,
         AgentCompactionBarrier as AgentCompactionBarrier,
@@ -384,6 +388,8 @@ _EXPORTS: dict[str, str] = {
     "AgentCost": ".usage",
     "AgentUsage": ".usage",
     "UsageFigure": ".usage",
+    "ResyncEvent": ".following",
+    "AGENT_TICKET_EVENTS_MAX": ".following",
 }
 """Every public name and the module that defines it."""
 
@@ -403,6 +409,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGENT_TICKET_EVENTS_MAX",
     "AGENT_TOOL_PROGRESS_MESSAGE_MAX",
     "SCHEMA_VERSION",
     "AbsorbClaim",
@@ -510,6 +517,7 @@ __all__ = [
     "ReasoningEndEvent",
     "ReasoningPart",
     "ReasoningStartEvent",
+    "ResyncEvent",
     "Run",
     "RunControl",
     "RunOperation",

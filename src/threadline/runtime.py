@@ -58,6 +58,7 @@ from .events import (
     describe_internal_cause,
     durable_event_id,
 )
+from .following import AGENT_TICKET_EVENTS_MAX, Followers, RunFollower
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import ComposedAgentPrompt, agent_instructions
 from .history.view import ConversationView
@@ -267,6 +268,25 @@ class AgentRuntimeTicket:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     idempotency_key: str | None = None
     """The key the input was submitted with (drawn by ``submit`` when none was given): retry with it."""
+    run_id: str | None = None
+    """The run this ticket follows, once known (after admission; at once for ``resume``)."""
+    _runtime: AgentRuntime | None = field(default=None, repr=False)
+    _waiting: list[RunFollower] = field(default_factory=list, repr=False)
+
+    def events(self, *, capacity: int = AGENT_TICKET_EVENTS_MAX) -> RunFollower:
+        """``async for event in ticket.events():`` — this run's delivery events, in order, as this process
+        publishes them (see :mod:`threadline.following`): ``admission``, ``assistant-delta``, reasoning,
+        ``tool-status``/``tool-progress``, ``assistant-checkpoint``, ``run-operation``, ``run-state``,
+        ``attempt-reset``, ``terminal``. The iteration ends once ``result`` settled. Bounded by ``capacity``
+        events: a consumer that falls behind reads a :class:`~threadline.following.ResyncEvent` instead of
+        what it lost, and never slows the run. Call it right after ``submit`` to see every event; called
+        later, it starts with the next one. Only runs executing in this process have events between their
+        admission and their end (``runs.execute=False``: the admission, then the end of the iteration)."""
+        if self._runtime is None:
+            raise AgentRuntimeUsageError("this ticket was not made by a runtime: it has no events to follow")
+        if type(capacity) is not int or capacity < 1:
+            raise AgentConfigError(f"capacity is an int of at least 1, got {capacity!r}", field="capacity")
+        return self._runtime._follow(self, capacity)
 
 
 @dataclass
@@ -473,6 +493,8 @@ class AgentRuntime:
         # without a publisher no event is built at all
         self.publishing = publish is not None
         self.operator_publishing = operator_publish is not None
+        self._followers = Followers()
+        self._live: dict[str, LoopEnv] = {}  # the environments of runs executing here, by run id
         self._sequences: dict[str, int] = {}
         self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
         self.runtime_epoch = uuid.uuid4().hex
@@ -496,8 +518,11 @@ class AgentRuntime:
         return await call_maybe_async(hook)
 
     def publish(self, event: Any) -> None:
-        """Hand a delivery event to the application's publisher. A publisher failure never changes a run."""
+        """Hand a delivery event to the application's publisher and to the followers of its run
+        (``ticket.events()``). A publisher failure never changes a run."""
         _isolated(self._publish_fn, event, self._publish_failures)
+        if self._followers:
+            self._followers.deliver(event)
 
     def operator_publish(self, event: Any) -> None:
         """Hand an operator event (run-started, step-finished, run-terminal) to the operator publisher."""
@@ -533,8 +558,41 @@ class AgentRuntime:
             lane = self.lanes[conversation_id] = Lane(self, conversation_id)
         return lane
 
+    def _builds(self, run_id: str) -> bool:
+        """Whether events of this run go anywhere (the publisher, a ticket's follower): if not, none is
+        even built (each costs a validation)."""
+        return self.publishing or run_id in self._followers.by_run
+
+    def _follow(self, ticket: AgentRuntimeTicket, capacity: int) -> RunFollower:
+        def unfollow(follower: RunFollower) -> None:
+            if ticket.run_id is not None:
+                self._followers.unfollow(ticket.run_id, follower)
+            elif follower in ticket._waiting:
+                ticket._waiting.remove(follower)
+
+        follower = RunFollower(ticket.result, capacity, on_close=unfollow)
+        ticket.result.add_done_callback(lambda _: follower.close())
+        if ticket.run_id is None:
+            ticket._waiting.append(follower)  # until the admission names the run
+        else:
+            self._start_following(ticket.run_id, follower)
+        return follower
+
+    def _start_following(self, run_id: str, follower: RunFollower) -> None:
+        self._followers.follow(run_id, follower)
+        env = self._live.get(run_id)
+        if env is not None:
+            env.publishing = True  # executing already: its next events are built
+
+    def _bind(self, ticket: AgentRuntimeTicket, run_id: str) -> None:
+        """The admission named the ticket's run: its waiting followers follow that run from now on."""
+        ticket.run_id = run_id
+        waiting, ticket._waiting = ticket._waiting, []
+        for follower in waiting:
+            self._start_following(run_id, follower)
+
     def _publish_run_state(self, run: Run, version: int) -> None:
-        if not self.publishing:
+        if not self._builds(run.id):
             return
         self.publish(
             RunStateEvent(
@@ -581,6 +639,7 @@ class AgentRuntime:
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
             idempotency_key=idempotency_key,
+            _runtime=self,
         )
         ticket.task = loop.create_task(
             self._admit(ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {})
@@ -595,6 +654,8 @@ class AgentRuntime:
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            idempotency_key=idempotency_key,
+            _runtime=self,
         )
         ticket.task = loop.create_task(
             self._admit(ticket, conversation_id, idempotency_key, context, parts, None, {}, role=role, policy=policy)
@@ -689,8 +750,9 @@ class AgentRuntime:
                 "coalesced": accepted.coalesced,
             },
         )
+        self._bind(ticket, run.id)
         ticket.admission.set_result(admission)
-        if self.publishing:
+        if self._builds(run.id):
             self.publish(
                 AdmissionEvent(
                     event_id=durable_event_id(run.id, "admission", accepted.version),
@@ -859,7 +921,7 @@ class AgentRuntime:
             tools=lambda _execution: self._run_tools(prompt_ctx),
             publish=self.publish,
             operator_publish=self.operator_publish,
-            publishing=self.publishing,
+            publishing=self._builds(run.id),
             operator_publishing=self.operator_publishing,
             sequences=self._sequences,
             lease=(self.runs.lease_duration, self._lease_expiry) if self.runs.lease_duration else None,
@@ -867,10 +929,12 @@ class AgentRuntime:
             projection_options=self.projection_options,
             _options_by_provider=self._options_by_provider,
         )
+        self._live[run.id] = env
         try:
             outcome = await execute_run(env, owned, control, (first, version) if first is not None else None)
         finally:
             lane.control = None
+            del self._live[run.id]
         self._sequences.pop(run.id, None)
         if self.operator_publishing:
             self.operator_publish(
@@ -918,7 +982,7 @@ class AgentRuntime:
                 lane.successor = True  # this runtime ended the run: it also starts what is queued behind it
             version = outcome.run.version
             self._publish_run_state(outcome.run, version)
-            if self.publishing:
+            if self._builds(run.id):
                 self.publish(
                     TerminalEvent(
                         event_id=durable_event_id(run.id, "terminal", version),
@@ -1227,6 +1291,8 @@ class AgentRuntime:
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            run_id=run_id,
+            _runtime=self,
         )
         ticket.admission.set_exception(AgentRuntimeUsageError("resume does not admit input"))
         if loaded.run.terminal:

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "protocol": 1,
     "output": 1,
     "failures": 1,
+    "following": 1,
     "store": 2,
     "history": 3,
     "tools": 4,

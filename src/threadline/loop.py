@@ -88,6 +88,7 @@ from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
 from .models import AgentModelDescriptor
+from .output import AgentOutput, OutputJudgement
 from .protocol import AgentProtocol
 from .records import (
     TEMPLATE_TIME,
@@ -253,11 +254,15 @@ class _Failure(Exception):
     """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception, ``origin``
     where it happened (None: by the reason; see :func:`threadline.failures.describe_run_failure`)."""
 
-    def __init__(self, reason: str, cause: BaseException, origin: FailureOrigin | None = None) -> None:
+    def __init__(
+        self, reason: str, cause: BaseException, origin: FailureOrigin | None = None, summary: str | None = None
+    ) -> None:
         super().__init__(f"{reason}: {cause!r}")
         self.reason = reason
         self.cause = cause
         self.origin = origin
+        self.summary = summary
+        """Why, in words, when the cause's own text would not say it."""
         self.partial: list[Part] = []
         self.response: ModelResponse | None = None
         """What the provider had sent before a failed request (its response identity, partial usage)."""
@@ -428,6 +433,8 @@ class LoopEnv:
     lease: tuple[float, Callable[[], Any]] | None = None
     """(duration, next expiry) when runs carry leases: the execution renews every third of the duration."""
     projection_options: AgentHistoryProjectionOptions = field(default_factory=AgentHistoryProjectionOptions)
+    output: AgentOutput | None = None
+    """The structured output this run's answer is validated as (``threadline.output``), if any."""
     _options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = field(default_factory=dict)
 
     def projection_options_for(self, provider_name: str | None) -> AgentHistoryProjectionOptions:
@@ -723,6 +730,10 @@ class _Execution:
         """This run's assistant as each request sees it (built once; every step swaps in its parts)."""
         self._last_step: tuple[RunOperation | None, RunOperation] | None = None
         """(first output, completion) of a final step: the terminal commit records them (one commit)."""
+        self.output_value: Any = None
+        """The validated structured output of the final step (``env.output``), once there is one."""
+        self._output_retries = 0
+        self._output_feedback: tuple[Any, ...] = ()
 
     @property
     def run(self) -> Run:
@@ -1332,8 +1343,14 @@ class _Execution:
                 # the prompt's parts and the history's system part; text prepare_step replaced goes as it is
                 instruction_parts=request_instruction_parts(ctx.instructions),
             )
+            output = env.output
+            messages = ctx.messages
+            if output is not None:
+                params = output.parameters(params)
+                if self._output_feedback:  # the withdrawn invalid answer and the retry prompt, once
+                    messages, self._output_feedback = [*messages, *self._output_feedback], ()
             try:
-                response, first_at = await self._stream(operation, ctx.model, ctx.messages, params)
+                response, first_at = await self._stream(operation, ctx.model, messages, params)
             except _Failure as failure:
                 self._step_finished(step, ctx.model, failure.response)
                 if await self._retry(failure, step, attempt_start):
@@ -1345,11 +1362,30 @@ class _Execution:
             first = _first_output(operation, first_at) if first_at is not None and publishing else None
             self._step_finished(step, ctx.model, response, first)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
-            self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
             completed = evolve(operation, {"phase": "completed", "finished_at": _now(), "first_output_at": first_at})
+            answered = ()
+            if output is not None:
+                judgement = output.judge(produced)
+                if judgement.kind == "valid":  # the final answer: its finish is written by the terminal commit
+                    self.parts.extend((*produced, *judgement.results))
+                    self.output_value = judgement.value
+                    self._last_step = (first, completed)
+                    return ("provider_stop" if response.finish_reason == "length" else "success"), None
+                if judgement.kind != "tools":
+                    self._output_rejected(output, judgement, produced, (first, completed))
+                    if judgement.kind == "invalid-text":  # withdrawn: the next request carries it back
+                        self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
+                        self._output_feedback = judgement.feedback
+                        await self._checkpoint(self.parts, completed, preceding=first)
+                        step += 1
+                        continue
+                    answered = judgement.results  # the output call's answer, recorded after this round
+            self.parts.extend(produced)
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
-            if not calls:  # the last step: its finish is written by the terminal commit, right after
+            if answered:
+                calls = [c for c in calls if c.tool_name not in output.tool_names]  # type: ignore[union-attr]
+            if not calls and not answered:  # the last step: its finish is written by the terminal commit
                 self._last_step = (first, completed)
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
             await self._checkpoint(self.parts, completed, preceding=first)
@@ -1369,6 +1405,7 @@ class _Execution:
             finally:
                 self.owned.vouched = False
             self.parts.extend(results)
+            self.parts.extend(answered)
             if held:  # the run pauses: signed requests are stored on its assistant before any effect
                 self.parts.extend(self._approval_request(c) for c in held)
                 self._paused = True
@@ -1382,6 +1419,25 @@ class _Execution:
                     return "policy_stop", policy.name
             step += 1
         return "policy_stop", "max-steps"
+
+    def _output_rejected(
+        self,
+        output: AgentOutput,
+        judgement: OutputJudgement,
+        produced: Sequence[Part],
+        last_step: tuple[RunOperation | None, RunOperation],
+    ) -> None:
+        """Count one invalid output; past ``output.retries`` the run ends ``output_rejected`` with the
+        invalid answer kept as evidence (the terminal commit records the step's finish)."""
+        if self._output_retries < output.retries:
+            self._output_retries += 1
+            return
+        self.parts.extend((*produced, *judgement.results))
+        self._last_step = last_step
+        tries = self._output_retries + 1
+        said = f"the model's output did not fit {output.name} after {tries} attempt{'s' * (tries > 1)}"
+        cause = judgement.error or ValueError(judgement.summary)
+        raise _Failure("output_rejected", cause, "policy", f"{said}: {judgement.summary}")
 
     async def _resume(self) -> int:
         """Continue a run acquired again (requeued after a crash, taken over) from its durable draft: the
@@ -1483,7 +1539,7 @@ class _Execution:
         except _Aborted:
             reason = self.control.abort_reason or "interrupted"
         except _Failure as failure:
-            reason, cause, origin = failure.reason, failure.cause, failure.origin
+            reason, cause, origin, said = failure.reason, failure.cause, failure.origin, failure.summary
             if self.control.aborted:  # an abort that surfaced as a failure is still the abort
                 reason = self.control.abort_reason or reason
         except _FenceLost as lost:
@@ -1492,7 +1548,7 @@ class _Execution:
             reason, cause = "runtime_failure", error
         if reason in COMPLETED_REASONS and not self._paused:  # a pause for approval is answered, not judged
             try:
-                accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name)
+                accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name, self.output_value)
             except Exception as error:  # the application's acceptance callback failed
                 reason, policy_name, cause, origin = "runtime_failure", None, error, "policy"
             else:

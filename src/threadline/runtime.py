@@ -73,6 +73,7 @@ from .loop import (
     with_store_retry,
 )
 from .models import AgentModelDescriptor
+from .output import OUTPUT_RETRIES, AgentOutput, agent_output
 from .protocol import AgentProtocol
 from .records import TEMPLATE_TIME, AgentRunFailure, Message, Run, RunOperation, build, evolve
 from .store.aggregate import AgentRuntimeStore, new_id
@@ -186,6 +187,11 @@ class AgentRuntimeResult(BaseModel):
     answered_by_run_id: str | None = None
     """The run whose assistant answered this input: the run itself once completed, the absorbing run for
     an absorbed input, None when the input got no answer (interrupted, failed, ...)."""
+    output: Any = None
+    """The answer as the declared structured output (``define_agent_protocol(output=...)`` or
+    ``submit(output=...)``): the validated value (a ``City``), read back from the stored answer — so a
+    duplicate submission or a run read from the store has it too. None without a declared output or
+    without an answer."""
 
     @property
     def answered(self) -> bool:
@@ -235,6 +241,7 @@ _RESULT = AgentRuntimeResult(
     policy_name=None,
     metrics=None,
     answered_by_run_id=None,
+    output=None,
 )
 
 
@@ -318,11 +325,12 @@ def _publish_failed(task: asyncio.Future[Any], event: Any, failures: ThrottledLo
         failures.failed("a publisher failed on a %s event", getattr(event, "type", "?"), error=task.exception())
 
 
-def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> Any:
+def _result_from(run: Run, assistant: Message | None, metrics: Any = None, output: AgentOutput | None = None) -> Any:
     if run.terminal_reason == "absorbed":
         answered_by = run.absorbed_into_run_id
     else:
         answered_by = run.id if run.state == "completed" else None
+    value = output.value_of(assistant.parts) if output is not None and answered_by and assistant else None
     return build(
         _RESULT,
         {
@@ -333,6 +341,7 @@ def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> An
             "policy_name": run.policy_name,
             "metrics": metrics,
             "answered_by_run_id": answered_by,
+            "output": value,
         },
     )
 
@@ -494,6 +503,7 @@ class AgentRuntime:
         self.publishing = publish is not None
         self.operator_publishing = operator_publish is not None
         self._followers = Followers()
+        self._outputs: dict[str, AgentOutput] = {}  # per-run overrides of the protocol's output, by run id
         self._live: dict[str, LoopEnv] = {}  # the environments of runs executing here, by run id
         self._sequences: dict[str, int] = {}
         self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
@@ -532,10 +542,12 @@ class AgentRuntime:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
         return await with_store_retry(call)
 
-    @staticmethod
-    def result_from(run: Run, assistant: Message | None) -> AgentRuntimeResult:
+    def result_from(self, run: Run, assistant: Message | None) -> AgentRuntimeResult:
         """The result of a run read from the store (this process did not apply its terminal)."""
-        return _result_from(run, assistant)
+        return self._result(run, assistant)
+
+    def _result(self, run: Run, assistant: Message | None, metrics: Any = None) -> AgentRuntimeResult:
+        return _result_from(run, assistant, metrics, self._outputs.get(run.id) or self.protocol.output)
 
     def _observed(self, write: Write | Purge) -> None:
         """Keep cached views current with this process's own writes (no read back)."""
@@ -616,8 +628,13 @@ class AgentRuntime:
         idempotency_key: str | None = None,
         input_metadata: Any = None,
         record_ids: Mapping[str, str] | None = None,
+        output: Any = None,
     ) -> AgentRuntimeTicket:
         """Admit one input. Returns a ticket at once; call from a running event loop.
+
+        ``output`` overrides the protocol's structured output for this run (``City``, ``ToolOutput(City)``,
+        ...; checked here: :class:`~threadline.errors.AgentConfigError`). It lives in this process: a run
+        executed or read elsewhere uses the protocol's.
 
         ``parts`` is a list of parts (``{"type": "text", "text": ...}``, a file part, or part records); a
         ``str`` is one text part. ``context`` is validated against the protocol's context model.
@@ -632,6 +649,10 @@ class AgentRuntime:
         retry with the same key to find out.
         """
         loop = asyncio.get_running_loop()
+        declared = None
+        if output is not None:
+            retries = self.protocol.output.retries if self.protocol.output is not None else OUTPUT_RETRIES
+            declared = agent_output(output, retries=retries)
         if idempotency_key is None:
             idempotency_key = new_id("key")
         ticket = AgentRuntimeTicket(
@@ -642,7 +663,9 @@ class AgentRuntime:
             _runtime=self,
         )
         ticket.task = loop.create_task(
-            self._admit(ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {})
+            self._admit(
+                ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {}, declared
+            )
         )
         return ticket
 
@@ -658,7 +681,9 @@ class AgentRuntime:
             _runtime=self,
         )
         ticket.task = loop.create_task(
-            self._admit(ticket, conversation_id, idempotency_key, context, parts, None, {}, role=role, policy=policy)
+            self._admit(
+                ticket, conversation_id, idempotency_key, context, parts, None, {}, None, role=role, policy=policy
+            )
         )
         return ticket
 
@@ -671,6 +696,7 @@ class AgentRuntime:
         parts: Sequence[Any],
         input_metadata: Any,
         record_ids: Mapping[str, str],
+        output: AgentOutput | None = None,
         *,
         role: str = "user",
         policy: str | None = None,
@@ -739,6 +765,9 @@ class AgentRuntime:
                 raise
             return
         run = accepted.run
+        if output is not None:
+            self._outputs[run.id] = output
+            ticket.result.add_done_callback(lambda _: self._outputs.pop(run.id, None))
         admission = build(
             _ADMISSION,
             {
@@ -770,7 +799,7 @@ class AgentRuntime:
             self._publish_run_state(run, accepted.version)
         ticket.accepted.set_result(admission)
         if run.terminal:
-            ticket.result.set_result(_result_from(run, accepted.answer))
+            ticket.result.set_result(self._result(run, accepted.answer))
             return
         self.waiters.add_result(run.id, ticket.result)
         if not self.runs.execute:
@@ -842,7 +871,7 @@ class AgentRuntime:
                     lambda: self.store.load_run(conversation_id=conversation_id, run_id=run_id)
                 )
                 if loaded is not None and loaded.run.terminal:
-                    self.waiters.resolve(run_id, _result_from(loaded.run, loaded.assistant))
+                    self.waiters.resolve(run_id, self._result(loaded.run, loaded.assistant))
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.runs.watch_interval)
@@ -927,6 +956,7 @@ class AgentRuntime:
             lease=(self.runs.lease_duration, self._lease_expiry) if self.runs.lease_duration else None,
             view=self._view(run.conversation_id),
             projection_options=self.projection_options,
+            output=self._outputs.get(run.id) or self.protocol.output,
             _options_by_provider=self._options_by_provider,
         )
         self._live[run.id] = env
@@ -976,7 +1006,7 @@ class AgentRuntime:
             )
             return Step.STOP
         metrics = build(_METRICS, {"steps": outcome.steps, "usage": outcome.usage}) if outcome.committed else None
-        result = _result_from(outcome.run, outcome.assistant, metrics)
+        result = self._result(outcome.run, outcome.assistant, metrics)
         if outcome.committed:
             if self._foreign_queue(lane, outcome.run):
                 lane.successor = True  # this runtime ended the run: it also starts what is queued behind it
@@ -997,7 +1027,7 @@ class AgentRuntime:
                 )
             for absorbed in outcome.absorbed_runs:
                 self._publish_run_state(absorbed, version)
-                self.waiters.resolve(absorbed.id, _result_from(absorbed, outcome.assistant))
+                self.waiters.resolve(absorbed.id, self._result(absorbed, outcome.assistant))
                 lane.contexts.pop(absorbed.id, None)
         self.waiters.resolve(run.id, result)
         return Step.DONE
@@ -1043,7 +1073,7 @@ class AgentRuntime:
             )
             return False
         self._publish_run_state(abandoned.run, abandoned.version)
-        self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+        self.waiters.resolve(run.id, self._result(abandoned.run, abandoned.assistant))
         return True
 
     async def resolve_context_of(self, run: Run) -> tuple[bool, Any]:
@@ -1213,7 +1243,7 @@ class AgentRuntime:
             stale_owner=stale_owner,
         )
         self._publish_run_state(result.run, result.version)
-        self.waiters.resolve(run_id, _result_from(result.run, result.assistant))
+        self.waiters.resolve(run_id, self._result(result.run, result.assistant))
         lane = self.lanes.get(conversation_id)
         if lane is not None:
             lane.wake()
@@ -1297,7 +1327,7 @@ class AgentRuntime:
         ticket.admission.set_exception(AgentRuntimeUsageError("resume does not admit input"))
         if loaded.run.terminal:
             ticket.accepted.set_result(loaded.run)
-            ticket.result.set_result(_result_from(loaded.run, loaded.assistant))
+            ticket.result.set_result(self._result(loaded.run, loaded.assistant))
             return ticket
         if loaded.run.state != "queued":
             raise AgentRunStateConflictError(
@@ -1447,7 +1477,7 @@ class AgentRuntime:
             if loaded is None or loaded.run.terminal:
                 settled: asyncio.Future[Any] = quiet(loop.create_future())
                 if loaded is not None:
-                    settled.set_result(_result_from(loaded.run, loaded.assistant))
+                    settled.set_result(self._result(loaded.run, loaded.assistant))
                     outcomes.append(AgentRecoveryOutcome(cid, scanned.id, "resumed", result=settled))
                 continue
             run = loaded.run

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
         AgentApprovalError as AgentApprovalError,
         AgentPendingApproval as AgentPendingApproval,
     )
+    from .config import (
+        HistoryConfig as HistoryConfig,
+        LoopConfig as LoopConfig,
+        RunsConfig as RunsConfig,
+    )
     from .delivery import (
         AgentControlView as AgentControlView,
         AgentEventSinkStatus as AgentEventSinkStatus,
@@ -179,9 +184,6 @@ if TYPE_CHECKING:
         AgentRuntimeInput as AgentRuntimeInput,
         AgentRuntimeResult as AgentRuntimeResult,
         AgentRuntimeTicket as AgentRuntimeTicket,
-        HistoryConfig as HistoryConfig,
-        LoopConfig as LoopConfig,
-        RunsConfig as RunsConfig,
         create_agent_runtime as create_agent_runtime,
         takeover_expired_leases as takeover_expired_leases,
     )
@@ -359,9 +361,9 @@ _EXPORTS: dict[str, str] = {
     "AgentRuntimeInput": ".runtime",
     "AgentRuntimeResult": ".runtime",
     "AgentRuntimeTicket": ".runtime",
-    "HistoryConfig": ".runtime",
-    "LoopConfig": ".runtime",
-    "RunsConfig": ".runtime",
+    "HistoryConfig": ".config",
+    "LoopConfig": ".config",
+    "RunsConfig": ".config",
     "create_agent_runtime": ".runtime",
     "takeover_expired_leases": ".runtime",
     "AbsorbClaim": ".store",

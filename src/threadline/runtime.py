@@ -288,7 +288,9 @@ class AgentRuntimeTicket:
         events: a consumer that falls behind reads a :class:`~threadline.following.ResyncEvent` instead of
         what it lost, and never slows the run. Call it right after ``submit`` to see every event; called
         later, it starts with the next one. Only runs executing in this process have events between their
-        admission and their end (``runs.execute=False``: the admission, then the end of the iteration)."""
+        admission and their end (``runs.execute=False``: the admission, then the end of the iteration).
+        Following is observation only: cancelling the consuming task, or ``await events.aclose()``, stops
+        reading and changes nothing durable; the run goes on."""
         if self._runtime is None:
             raise AgentRuntimeUsageError("this ticket was not made by a runtime: it has no events to follow")
         if type(capacity) is not int or capacity < 1:

@@ -100,6 +100,18 @@ async def test_a_blocking_tool_never_blocks_the_event_loop_and_an_interrupt_does
     assert not [e for e in events if e.type == "tool-status" and e.status == "completed"]
 
 
+async def run_and_reopen(tmp_path: Path, script: Script, tool: Any) -> tuple[Any, list[Any], Any]:
+    """Run one turn on a SQLite file, then read the run back from the reopened file."""
+    events: list[Any] = []
+    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
+        runtime = make_runtime(handle.store, script, tools=[tool], publish=events.append)
+        result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+        await runtime.close()
+    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
+        stored = await handle.store.load_run(conversation_id="c1", run_id=result.run.id)
+    return result, events, stored
+
+
 class Reading(BaseModel):
     sensor: str
     at: datetime
@@ -127,14 +139,8 @@ async def test_models_dataclasses_and_datetimes_become_json_and_are_stored_as_th
         "reading": {"sensor": "s1", "at": "2030-01-01T00:00:00Z", "values": [1.5, 2.0]},
         "point": {"x": 1, "y": 2},
     }
-    events: list[Any] = []
     script = Script(calls("measure"))
-    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
-        runtime = make_runtime(handle.store, script, tools=[measure], publish=events.append)
-        result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
-        await runtime.close()
-    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
-        stored = await handle.store.load_run(conversation_id="c1", run_id=result.run.id)
+    _result, events, stored = await run_and_reopen(tmp_path, script, measure)
     assert returned(script) == [expected]
     [live] = [e.output for e in events if e.type == "tool-status" and e.status == "completed"]
     assert live == expected
@@ -152,14 +158,8 @@ async def test_a_nan_is_refused_the_same_way_live_and_stored(tmp_path: Path) -> 
         ran.append("effect")
         return {"name": "x", "scores": [1.0, math.nan]}
 
-    events: list[Any] = []
     script = Script(calls("score"))
-    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
-        runtime = make_runtime(handle.store, script, tools=[score], publish=events.append)
-        result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
-        await runtime.close()
-    async with create_sqlite_agent_runtime_store(tmp_path / "t.db") as handle:
-        stored = await handle.store.load_run(conversation_id="c1", run_id=result.run.id)
+    result, events, stored = await run_and_reopen(tmp_path, script, score)
     assert ran == ["effect"] and result.terminal_reason == "success"
     [seen] = returned(script)
     assert seen["error"] == "TOOL_VALUE_REFUSED" and seen["details"] == {"path": "$.scores[1]"}

@@ -192,8 +192,11 @@ def _print(console: Console, kind: str, rows: list[Any], conversation: str | Non
                 escape(r["conversation_id"]), str(r["version"]), str(r["runs"]), str(r["messages"]), updated, active
             )
     elif kind == "runs":
-        table = _table(*cid, "run", "state", "terminal reason", "policy", "inputs", "owner", wide=("owner",))
+        table = _table(
+            *cid, "run", "state", "terminal reason", "policy", "inputs", "owner", "failure", wide=("owner", "failure")
+        )
         for run in rows:
+            failure = run.failure
             table.add_row(
                 *row(
                     run.conversation_id,
@@ -203,6 +206,7 @@ def _print(console: Console, kind: str, rows: list[Any], conversation: str | Non
                     f"{run.input_policy} {run.priority}" if run.priority != "ordinary" else run.input_policy,
                     str(len(run.input_message_ids)),
                     escape(f"{run.owner_id} #{run.fencing_token}") if run.owner_id else "—",
+                    escape(f"{failure.origin}: {failure.summary}") if failure is not None else "—",
                 )
             )
     elif kind == "messages":

@@ -38,6 +38,7 @@ from ..errors import AgentRecordValidationError
 from ..records import (
     PARTS_ADAPTER,
     AdmissionReceipt,
+    AgentRunFailure,
     ConversationHead,
     Message,
     MessageDraft,
@@ -244,6 +245,8 @@ class TerminalInput(_Owned):
     absorb: tuple[AbsorbClaimRecord, ...] = ()
     operation: RunOperation | None = None
     usage: AgentUsage | None = None
+    failure: AgentRunFailure | None = None
+    """Why a failed run failed (:attr:`threadline.records.Run.failure`), as the run record keeps it."""
 
 
 class CompactInput(_Record):

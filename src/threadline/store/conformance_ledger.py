@@ -23,8 +23,8 @@ from ..errors import (
 )
 from ..ledger.digests import check_provider_requests, message_digest
 from ..ledger.events import AgentStoreEvent, decode_agent_store_event
+from ._conformance_kit import StoreFactory, _case, _Conv, _equal, _expect, _raises, _text
 from .aggregate import AgentRuntimeStore, purge_agent_conversation
-from .conformance import StoreFactory, _case, _Conv, _equal, _expect, _raises, _text
 
 _MUTATIONS = ("accept", "acquire", "checkpoint", "terminal")
 

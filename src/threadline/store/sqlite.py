@@ -1617,7 +1617,8 @@ def _is_notadb(error: sqlite3.Error) -> bool:
 
 class SqliteAgentRuntimeStoreHandle:
     """An open SQLite store: ``store`` (the :class:`AgentRuntimeStore`), ``conversations`` (its paged
-    reader), full-text :meth:`search_messages`, and :meth:`close`. Also an async context manager."""
+    reader), full-text :meth:`search_messages`, and :meth:`aclose`. Also an async context manager that
+    closes it on exit. ``create_agent_runtime(store=handle)`` takes the handle itself."""
 
     def __init__(self, driver: SqliteStoreDriver, store: AgentRuntimeStore) -> None:
         self.driver = driver
@@ -1630,9 +1631,14 @@ class SqliteAgentRuntimeStoreHandle:
         A purged or unknown conversation has none. ``limit`` is 1..1000."""
         return await self.driver.search_messages(conversation_id, query, limit)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Finish accepted operations, then close the connection. Later calls raise
-        :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent."""
+        :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent. ``async with`` closes the same
+        way on exit; ``close()`` is the same call."""
+        await self.store.aclose()
+
+    async def close(self) -> None:
+        """:meth:`aclose` (kept as a second spelling)."""
         await self.store.aclose()
 
     async def __aenter__(self) -> SqliteAgentRuntimeStoreHandle:
@@ -1641,7 +1647,7 @@ class SqliteAgentRuntimeStoreHandle:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.close()
+        await self.aclose()
 
     def __repr__(self) -> str:
         return f"<SqliteAgentRuntimeStoreHandle {self.filename!r}>"

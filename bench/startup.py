@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import additions_s, machine_line  # noqa: E402
+from workload import additions_s, machine_line
 
 SUBCOMMANDS = (
     "chat",

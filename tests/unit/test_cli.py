@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -377,7 +378,8 @@ def test_inspect_json_agrees_with_the_store(demo_runs: tuple[Path, subprocess.Co
 
     events = json.loads(invoke("inspect", "events", "--db", str(db), "-c", crash, "--json").stdout)
     kinds = [e["event"] for e in events]
-    assert kinds.count("admitted") == 2 and kinds.count("terminal completed") == 2
+    assert kinds.count("admitted") == 2 and kinds.count("terminal") == 2
+    assert [e["state"] for e in events if e["event"] == "terminal"] == ["completed", "completed"]
     assert [e["at"] for e in events] == sorted(e["at"] for e in events)
     assert {e["conversation_id"] for e in events} == {crash}
 
@@ -385,6 +387,153 @@ def test_inspect_json_agrees_with_the_store(demo_runs: tuple[Path, subprocess.Co
     assert table.returncode == 0 and "completed" in table.stdout and "success" in table.stdout
     empty = invoke("inspect", "runs", "--db", str(db), "--state", "running")
     assert empty.returncode == 0 and "(no runs)" in empty.stdout
+
+
+ISO_Z = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?Z$")
+
+
+def timestamps(value: object, key: str = "") -> list[str]:
+    """Every timestamp in a JSON document (values of keys ``at`` or ``*_at``)."""
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in timestamps(v, k)]
+    if isinstance(value, list):
+        return [t for v in value for t in timestamps(v, key)]
+    return [value] if (key == "at" or key.endswith("_at")) and value is not None else []
+
+
+def test_inspect_json_has_one_timestamp_format_and_structured_events(
+    demo_runs: tuple[Path, subprocess.CompletedProcess[str], str],
+) -> None:
+    db, _, _ = demo_runs
+    for kind in ("conversations", "runs", "messages", "events"):
+        document = json.loads(invoke("inspect", kind, "--db", str(db), "--json").stdout)
+        stamps = timestamps(document)
+        assert stamps, kind
+        assert all(isinstance(t, str) and ISO_Z.match(t) for t in stamps), (kind, stamps[:5])
+    events = json.loads(invoke("inspect", "events", "--db", str(db), "--json").stdout)
+    fields = {
+        "admitted": {"input_policy", "priority", "input_message_ids"},
+        "acquired": {"owner_id", "fencing_token"},
+        "operation": {"kind", "phase", "step", "attempt", "detail", "last_recorded"},
+        "terminal": {"state", "terminal_reason", "policy_name", "absorbed_into_run_id", "absorbed_run_ids"},
+    }
+    for event in events:
+        assert set(event) == {"conversation_id", "run_id", "at", "event", *fields[event["event"]]}, event
+    absorbed = [e for e in events if e["event"] == "terminal" and e["terminal_reason"] == "absorbed"]
+    assert len(absorbed) == 2 and all(e["absorbed_into_run_id"].startswith("run_") for e in absorbed)
+
+
+async def long_text_database(path: Path) -> tuple[str, str]:
+    """One conversation whose only input is a long line of text with a newline in it."""
+    async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
+        accepted = await sqlite.store.accept_input_and_assign_run(
+            conversation_id="chat-20260101-long",
+            idempotency_key="k1",
+            input={"id": "m1", "role": "user", "parts": [{"type": "text", "text": LONG_TEXT}]},
+        )
+        return accepted.run.id, accepted.run.input_message_ids[0]
+
+
+LONG_TEXT = "Plan a whole week in Lisbon, " * 12 + "please.\nAnd Porto too."
+
+
+@pytest.mark.subprocess
+def test_inspect_into_a_pipe_never_truncates_and_shows_full_ids(tmp_path: Path) -> None:
+    db = tmp_path / "long.db"
+    run_id, _ = asyncio.run(long_text_database(db))
+    env = {**os.environ, "COLUMNS": "40"}  # a narrow terminal setting must not narrow a pipe
+    for kind, expected in (
+        ("messages", LONG_TEXT.replace("\n", "\\n")),
+        ("runs", run_id),
+        ("events", run_id),
+        ("conversations", run_id),
+    ):
+        result = cli("inspect", kind, "--db", str(db), env=env)
+        assert result.returncode == 0, result.stderr
+        assert expected in result.stdout, (kind, result.stdout)
+        assert "…" not in result.stdout
+    lines = cli("inspect", "messages", "--db", str(db), env=env).stdout.splitlines()
+    assert len(lines) == 2 and lines[0].split() == ["conversation", "pos", "role", "status", "run", "text"]
+    assert lines[1].split()[:5] == ["chat-20260101-long", "—", "user", "committed", run_id]
+
+
+@pytest.mark.subprocess
+def test_inspect_in_a_terminal_shows_full_ids(tmp_path: Path) -> None:
+    """stdout a real terminal (a pseudo-terminal): the Rich table, ids in full, the long text folded."""
+    import pty
+
+    db = tmp_path / "long.db"
+    run_id, _ = asyncio.run(long_text_database(db))
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color", "NO_COLOR": "1"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "threadline.cli", "inspect", "messages", "--db", str(db)],
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    os.close(leader)
+    screen = b"".join(chunks).decode()
+    assert run_id in screen
+    folded = " ".join(screen.split())
+    for word in ("Plan a whole week in Lisbon,", "please.", "And Porto too."):
+        assert word in folded
+
+
+def test_inspect_conversation_takes_a_unique_prefix(
+    demo_runs: tuple[Path, subprocess.CompletedProcess[str], str],
+) -> None:
+    db, _, _ = demo_runs
+    listed = json.loads(invoke("inspect", "conversations", "--db", str(db), "--json").stdout)
+    crash = next(c["conversation_id"] for c in listed if c["conversation_id"].endswith("-crash"))
+    by_prefix = json.loads(invoke("inspect", "runs", "--db", str(db), "-c", crash[:-2], "--json").stdout)
+    assert {r["conversation_id"] for r in by_prefix} == {crash} and len(by_prefix) == 2
+
+    ambiguous = invoke("inspect", "runs", "--db", str(db), "-c", "demo-")
+    assert ambiguous.returncode == 2 and ambiguous.stdout == ""
+    line = one_error_line(ambiguous.stderr)
+    assert "starts 14 conversation ids" in line and "give more of it" in line
+
+    missing = invoke("inspect", "runs", "--db", str(db), "-c", "nosuch")
+    assert missing.returncode == 2 and "no conversation 'nosuch'" in one_error_line(missing.stderr)
+
+
+def test_inspect_opens_sqlite_read_only(tmp_path: Path) -> None:
+    """inspect changes no byte of the database, creates no schema in an empty file, and leaves a database
+    of an earlier schema version unmigrated (an error saying so)."""
+    import hashlib
+    import shutil
+
+    db = tmp_path / "orphan.db"
+    asyncio.run(orphan_database(db))
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    for kind in ("conversations", "runs", "messages", "events"):
+        assert invoke("inspect", kind, "--db", str(db)).returncode == 0
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    result = invoke("inspect", "runs", "--db", str(empty))
+    assert result.returncode == 2 and "no threadline tables" in one_error_line(result.stderr)
+    assert empty.read_bytes() == b""
+
+    old = tmp_path / "v1.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "sqlite-schema-v1.db", old)
+    before = old.read_bytes()
+    result = invoke("inspect", "runs", "--db", str(old))
+    assert result.returncode == 2 and "schema version 1" in one_error_line(result.stderr)
+    assert old.read_bytes() == before
 
 
 # ------------------------------------------------------------------------------------------ recover
@@ -519,6 +668,33 @@ def test_inspect_and_recover_over_postgres(postgres_dsn: str) -> None:
         assert [r[2:4] for r in table_rows(recovered.stdout, {"pg-chat"})] == [["resumed", "success"]]
         messages = json.loads(invoke("inspect", "messages", *where, "-c", "pg-chat", "--json").stdout)
         assert "A day in Porto" in messages[-1]["parts"][0]["text"]
+    finally:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.mark.postgres
+def test_inspect_never_creates_a_postgres_schema(postgres_dsn: str) -> None:
+    import uuid
+
+    import psycopg
+
+    schema = f"cli_missing_{uuid.uuid4().hex[:8]}"
+    for command in (["inspect", "runs"], ["inspect", "conversations", "--json"], ["recover"]):
+        result = invoke(*command, "--dsn", postgres_dsn, "--schema", schema)
+        assert result.returncode == 2 and result.stdout == ""
+        line = one_error_line(result.stderr)
+        assert f"no schema '{schema}'" in line and "nothing was created" in line
+        assert "postgres@" not in line  # the connection string's user is not repeated
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        result = invoke("inspect", "runs", "--dsn", postgres_dsn, "--schema", schema)
+        assert result.returncode == 2 and "holds no threadline tables" in one_error_line(result.stderr)
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            tables = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = %s", (schema,)).fetchone()
+        assert tables == (0,)
     finally:
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

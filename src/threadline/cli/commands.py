@@ -8,9 +8,7 @@ stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -122,6 +120,8 @@ def schema(
 ) -> None:
     """Print the JSON Schema (draft 2020-12) of every canonical record, keyed by record name."""
     with _reported():
+        import json
+
         from ..records import export_json_schemas
 
         schemas = export_json_schemas()
@@ -152,6 +152,8 @@ def demo(
     """Watch the runtime offline: streaming with tools, the five input policies side by side, a crash
     and its recovery, and every run's terminal reason and usage. Uses a built-in scripted model."""
     with _reported():
+        import asyncio
+
         from rich.console import Console
 
         from .demo import DemoCheckFailed, run_demo
@@ -170,6 +172,8 @@ def demo_child(
 ) -> None:
     """The demo's crash scene runs this in a child process and kills it with SIGKILL mid-answer."""
     with _reported():
+        import asyncio
+
         from .demo import run_demo_child
 
         asyncio.run(run_demo_child(db, conversation, pace=pace))
@@ -310,6 +314,8 @@ def worker(
 ) -> None:
     """Execute whatever is queued (runs admitted by any process) until SIGTERM, then close gracefully."""
     with _reported():
+        import asyncio
+
         from .worker import run_worker
 
         status = asyncio.run(

@@ -162,6 +162,20 @@ def test_a_missing_credential_names_the_variable_and_writes_nothing(
     assert not db.exists()
 
 
+def test_an_unreachable_base_url_names_the_url(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: connecting is refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+        db = tmp_path / "chat.db"
+        for command in (["chat"], ["recover"]):
+            result = invoke(*command, "--db", str(db), "--base-url", url, "--model", "llama3.2")
+            assert result.returncode == 2 and result.stdout == ""
+            assert f"cannot reach the model server at {url}" in one_error_line(result.stderr)
+    assert not db.exists()
+
+
 @pytest.mark.subprocess
 def test_a_missing_credential_in_a_shell(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI")}

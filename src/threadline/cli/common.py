@@ -180,6 +180,28 @@ def choose_model(name: str | None, base_url: str | None, *, pace: float = 0.0) -
     return ModelChoice(scripted.model, "threadline's built-in scripted model (offline)", scripted)
 
 
+def check_reachable(base_url: str, timeout: float = 5.0) -> None:
+    """Refuse an OpenAI-compatible server that does not accept a connection, naming its URL (before
+    anything is written). Only connects: the server's answers are the model's business."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from ..models import AgentModelUnavailableError
+
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as error:
+        raise CliUsageError(f"--base-url {base_url!r} is not a URL: {error}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise CliUsageError(f"--base-url {base_url!r} is not an http:// or https:// URL")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise AgentModelUnavailableError(f"cannot reach the model server at {base_url}: {reason}") from None
+
+
 def first_sentence(message: str) -> str:
     """The first sentence of an error message, on one line (pydantic-ai's credential errors go on with
     advice that does not apply here)."""

@@ -24,7 +24,20 @@ EXIT_ERROR = 2
 """Exit status for a failure threadline reports (an unreadable database, a missing credential…)."""
 EXIT_INTERRUPTED = 130
 
+class _Group(typer.core.TyperGroup):
+    """A command group whose ``--help`` flag defaults to ``False`` instead of ``None``: Typer (0.2x) builds a
+    pydantic adapter to coerce a ``None`` flag, which costs every subcommand's start-up (and ``--help``)
+    about a hundred milliseconds of importing pydantic before anything runs; a ``bool`` passes through."""
+
+    def get_help_option(self, ctx: typer.Context) -> typer.core.TyperOption | None:  # type: ignore[override]
+        option = super().get_help_option(ctx)
+        if option is not None and option.default is None:
+            option.default = False
+        return option
+
+
 app = typer.Typer(
+    cls=_Group,
     name="threadline",
     help="Durable tool-using language-model conversations on SQLite or PostgreSQL.",
     no_args_is_help=True,
@@ -33,6 +46,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 inspect_app = typer.Typer(
+    cls=_Group,
     name="inspect",
     help="Read a threadline database: conversations, runs, messages, events. Tables, or --json for scripts.",
     no_args_is_help=True,

@@ -471,20 +471,19 @@ def test_inspect_into_a_pipe_never_truncates_and_shows_full_ids(tmp_path: Path) 
     assert lines[1].split()[:5] == ["chat-20260101-long", "—", "user", "committed", run_id]
 
 
-@pytest.mark.subprocess
-def test_inspect_in_a_terminal_shows_full_ids(tmp_path: Path) -> None:
-    """stdout a real terminal (a pseudo-terminal): the Rich table, ids in full, the long text folded."""
+def in_a_terminal(*args: str, columns: int) -> str:
+    """What ``python -m threadline.cli *args`` shows when stdout is a real (pseudo-)terminal."""
+    import fcntl
     import pty
+    import struct
+    import termios
 
-    db = tmp_path / "long.db"
-    run_id, _ = asyncio.run(long_text_database(db))
     leader, follower = pty.openpty()
-    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color", "NO_COLOR": "1"}
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))  # rows, columns
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update({"TERM": "xterm-256color", "NO_COLOR": "1"})
     with subprocess.Popen(
-        [sys.executable, "-m", "threadline.cli", "inspect", "messages", "--db", str(db)],
-        stdout=follower,
-        stderr=subprocess.PIPE,
-        env=env,
+        [sys.executable, "-m", "threadline.cli", *args], stdout=follower, stderr=subprocess.PIPE, env=env
     ) as proc:
         os.close(follower)
         chunks = []
@@ -498,11 +497,25 @@ def test_inspect_in_a_terminal_shows_full_ids(tmp_path: Path) -> None:
             chunks.append(chunk)
         assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
     os.close(leader)
-    screen = b"".join(chunks).decode()
-    assert run_id in screen
-    folded = " ".join(screen.split())
-    for word in ("Plan a whole week in Lisbon,", "please.", "And Porto too."):
-        assert word in folded
+    return re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())  # bold headers: not text
+
+
+@pytest.mark.subprocess
+def test_inspect_in_a_terminal_fits_it_and_cuts_nothing(tmp_path: Path) -> None:
+    """stdout a real terminal: the Rich table, ids in full on a wide one; on a narrow one every cell folds
+    onto more lines (the long text too), and nothing ends in an ellipsis."""
+    db = tmp_path / "long.db"
+    run_id, _ = asyncio.run(long_text_database(db))
+    wide = in_a_terminal("inspect", "runs", "--db", str(db), columns=160)
+    assert run_id in wide and "chat-20260101-long" in wide
+    for columns in (60, 120):
+        screen = in_a_terminal("inspect", "messages", "--db", str(db), columns=columns)
+        assert "…" not in screen
+        assert max(len(line.rstrip()) for line in screen.splitlines()) <= columns
+        folded = " ".join(screen.split())
+        for word in ("Plan a whole week in Lisbon,", "please.", "And Porto too."):
+            assert word in folded, (columns, screen)
+        assert all(piece in "".join(screen.split()) for piece in (run_id[:8], run_id[-8:]))
 
 
 def test_inspect_conversation_takes_a_unique_prefix(

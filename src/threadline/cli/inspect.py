@@ -5,9 +5,10 @@ written), and a PostgreSQL schema that does not exist is an error, never created
 store's paged readers and per-conversation loads.
 
 Three outputs: ``--json`` (one document; records as their JSON form, every timestamp UTC ``...Z``, events
-as structured fields); a Rich table when stdout is a terminal (fitted to its width: long text folds, ids
-never wrap); and, when stdout is not a terminal (a pipe, a file), plain aligned columns that are never
-truncated or wrapped, one row per line (a newline inside a message is written ``\\n``), without loading Rich.
+as structured fields); a Rich table when stdout is a terminal (fitted to its width: a cell too narrow
+folds onto more lines, never cut off); and, when stdout is not a terminal (a pipe, a file), plain aligned
+columns that are never truncated or wrapped, one row per line (a newline inside a message is written
+``\\n``), without loading Rich.
 Ids are always shown in full; ``--conversation`` also takes any unique prefix of one.
 
 ``events`` is a timeline derived from the run rows — threadline stores no event log: delivery events are
@@ -324,8 +325,8 @@ def plain_table(cols: list[Column], rows: list[Any]) -> str:
 
 
 def _rich_table(cols: list[Column], rows: list[Any]) -> None:
-    """A table fitted to the terminal: ids and times never wrap (they are copied and compared); free text
-    folds onto more lines, so nothing is cut off."""
+    """A table fitted to the terminal. Nothing is cut off: free text takes the spare width and folds, and a
+    terminal too narrow for the ids folds them too (never an ellipsis)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -338,7 +339,7 @@ def _rich_table(cols: list[Column], rows: list[Any]) -> None:
         if c.text:
             table.add_column(c.header, overflow="fold", ratio=1)
         else:
-            table.add_column(c.header, no_wrap=True)
+            table.add_column(c.header, overflow="fold")
     for row in rows:
         cells = []
         for c in cols:

@@ -34,6 +34,8 @@ from .common import CliUsageError, OpenStore, open_store
 RUN_STATES = typing.get_args(RunState)
 MESSAGE_STATUSES = typing.get_args(MessageStatus)
 PAGE = 500
+TEXT_MIN = 20
+"""Columns a terminal table keeps for free text before it folds ids too."""
 AMBIGUOUS_SHOWN = 5
 """Candidates named when a ``--conversation`` prefix matches more than one conversation."""
 
@@ -334,20 +336,25 @@ def _rich_table(cols: list[Column], rows: list[Any]) -> None:
 
     from .render import REASON_STYLE
 
+    console = Console(highlight=False)
+    grid = [[c.cell(row) for c in cols] for row in rows]
+    # ids and times keep their full width while the free text still gets TEXT_MIN columns; narrower, they fold
+    widths = [max(len(c.header), *(len(line[i]) for line in grid)) for i, c in enumerate(cols)]
+    fixed = sum(w for w, c in zip(widths, cols, strict=True) if not c.text) + 3 * len(cols)
+    keep = fixed + TEXT_MIN <= console.width
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in cols:
+    for c, width in zip(cols, widths, strict=True):
         if c.text:
             table.add_column(c.header, overflow="fold", ratio=1)
         else:
-            table.add_column(c.header, overflow="fold")
-    for row in rows:
+            table.add_column(c.header, overflow="fold", min_width=width if keep else None)
+    for line in grid:
         cells = []
-        for c in cols:
-            value = c.cell(row)
+        for c, value in zip(cols, line, strict=True):
             style = REASON_STYLE.get(value.split(" ", 1)[0], "red") if c.header == "terminal reason" else ""
             cells.append(Text(value, style=style if value != "—" else ""))
         table.add_row(*cells)
-    Console(highlight=False).print(table)
+    console.print(table)
 
 
 def _jsonable(kind: str, rows: list[Any]) -> list[Any]:

@@ -665,6 +665,27 @@ def test_chat_continues_its_conversation_and_takes_over_an_expired_lease(tmp_pat
     assert [(r["id"], r["terminal_reason"]) for r in runs] == [(first, "success"), (second, "success")]
 
 
+@pytest.mark.subprocess
+def test_chat_from_a_pipe_echoes_each_line_and_says_nothing_is_queued(tmp_path: Path) -> None:
+    """stdin a pipe (a script): no prompts, each line echoed with its policy, answered, and the last line
+    read back from the store after the close."""
+    done = subprocess.run(
+        [sys.executable, "-m", "threadline.cli", "chat", "--db", str(tmp_path / "c.db"), "--pace", "0"],
+        input="Plan a day in Lisbon.\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "you › Plan a day in Lisbon.  (policy queue)" in out
+    assert out.count("you ›") == 1  # the echo; no prompt into a pipe
+    assert "A day in Lisbon" in out and "⟨success⟩" in out
+    assert out.rstrip().endswith("is saved. Nothing is queued.")
+
+
 # ---------------------------------------------------------------------------------------- postgres
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
 import sys
 import threading
@@ -129,6 +128,8 @@ class ChatSession:
         self.base_url = base_url
         self.tty = tty
         """stdin and stdout are a terminal: prompt_toolkit reads the lines and keeps the input line below."""
+        self.prompts = tty or sys.stdin.isatty()
+        """Print a prompt before reading a line (a person types it, e.g. with stdout piped to ``tee``)."""
         self.lines_out: TerminalLines | None = None
         self.prompt_app: Any = None
         self.runtime: AgentRuntime | None = None
@@ -172,7 +173,7 @@ class ChatSession:
         self.printer.note(markup)
 
     def prompt(self) -> None:
-        if self.tty:  # prompt_toolkit keeps the input line on screen all the time
+        if self.tty or not self.prompts:  # prompt_toolkit keeps its input line on screen; a pipe needs none
             return
         if not self.pending and not self.quit.is_set() and not self.prompted and not self.ended:
             self.printer.close_line()
@@ -317,11 +318,9 @@ class ChatSession:
             context=CliContext(),
             parts=[{"type": "text", "text": text}],
         )
-        if self.tty or busy:  # a terminal erased the typed line; a pipe never showed it
-            what = (
-                f"policy {self.policy}: {CONSEQUENCE.get(self.policy, 'applied')}" if busy else f"policy {self.policy}"
-            )
-            self.note(f"[bold cyan]you ›[/] {escape(text)}  [dim]({what})[/]")
+        # echoed as the user's message (prompt_toolkit erased the typed line; a pipe never showed it)
+        what = f"policy {self.policy}: {CONSEQUENCE.get(self.policy, 'applied')}" if busy else f"policy {self.policy}"
+        self.note(f"[bold cyan]you ›[/] {escape(text)}  [dim]({what})[/]")
         self.follow(ticket)
 
     async def resume_pending(self, opened: OpenStore) -> None:
@@ -430,8 +429,8 @@ async def _chat(
     proxy = StdoutProxy(sleep_between_writes=0.02, raw=True)
     holder: list[ChatSession] = []
     lines = TerminalLines(proxy.write, lambda: holder[0].redraw() if holder else None)
-    width = shutil.get_terminal_size().columns
-    console = Console(file=lines, force_terminal=True, width=width, highlight=False)  # type: ignore[arg-type]
+    # the width is read from the terminal (stdin/stdout) at each print: a resized window is followed
+    console = Console(file=lines, force_terminal=True, highlight=False)  # type: ignore[arg-type]
     sys.stdout = sys.stderr = proxy  # type: ignore[assignment]  # stray prints (warnings) go above the prompt too
     try:
         return await _chat_on(

@@ -98,9 +98,10 @@ class TerminalLines:
 
     encoding = "utf-8"
 
-    def __init__(self, emit: Callable[[str], None], changed: Callable[[], None]) -> None:
+    def __init__(self, emit: Callable[[str], None]) -> None:
         self.emit = emit
-        self.changed = changed
+        self.changed: Callable[[], None] = lambda: None
+        """Called after every write: the chat redraws its prompt (set once the chat exists)."""
         self.partial = ""
 
     def write(self, text: str) -> int:
@@ -398,54 +399,21 @@ class ChatSession:
             self.send(text)
 
 
-async def _chat(
-    choice: ModelChoice,
-    *,
-    db: Path | None,
-    dsn: str | None,
-    schema: str | None,
-    conversation: str | None,
-    policy: str,
-    base_url: str | None,
-    tty: bool,
-) -> int:
+async def _chat(choice: ModelChoice, *, tty: bool, **options: Any) -> int:
     """The chat. In a terminal (``tty``) everything prints through prompt_toolkit's stdout proxy, so the
     input line stays below the answer and what a person types is never mixed into it."""
     if not tty:
-        return await _chat_on(
-            Console(highlight=False),
-            choice,
-            db=db,
-            dsn=dsn,
-            schema=schema,
-            conversation=conversation,
-            policy=policy,
-            base_url=base_url,
-            tty=False,
-        )
+        return await _chat_on(Console(highlight=False), choice, **options)
     from prompt_toolkit.patch_stdout import StdoutProxy
 
     real_stdout, real_stderr = sys.stdout, sys.stderr
     proxy = StdoutProxy(sleep_between_writes=0.02, raw=True)
-    holder: list[ChatSession] = []
-    lines = TerminalLines(proxy.write, lambda: holder[0].redraw() if holder else None)
+    lines = TerminalLines(proxy.write)
     # the width is read from the terminal (stdin/stdout) at each print: a resized window is followed
     console = Console(file=lines, force_terminal=True, highlight=False)  # type: ignore[arg-type]
     sys.stdout = sys.stderr = proxy  # type: ignore[assignment]  # stray prints (warnings) go above the prompt too
     try:
-        return await _chat_on(
-            console,
-            choice,
-            db=db,
-            dsn=dsn,
-            schema=schema,
-            conversation=conversation,
-            policy=policy,
-            base_url=base_url,
-            tty=True,
-            lines=lines,
-            holder=holder,
-        )
+        return await _chat_on(console, choice, lines=lines, **options)
     finally:
         if lines.partial:
             proxy.write(lines.partial + "\n")
@@ -464,10 +432,10 @@ async def _chat_on(
     conversation: str | None,
     policy: str,
     base_url: str | None,
-    tty: bool,
     lines: TerminalLines | None = None,
-    holder: list[ChatSession] | None = None,
 ) -> int:
+    """The chat on ``console``; with ``lines`` (a terminal) prompt_toolkit reads the input."""
+    tty = lines is not None
     loop = asyncio.get_running_loop()
     async with open_store(db, dsn, schema=schema) as opened:
         conversation_id = conversation or await default_conversation(opened)
@@ -476,8 +444,8 @@ async def _chat_on(
             conversation_id = f"{CHAT_PREFIX}{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
         session = ChatSession(console, conversation_id, policy, base_url=base_url, tty=tty)
         session.lines_out = lines
-        if holder is not None:
-            holder.append(session)
+        if lines is not None:
+            lines.changed = session.redraw
         runtime = build_runtime(
             opened.store,
             choice.model,
@@ -529,15 +497,16 @@ async def _chat_on(
             if session.prompted:
                 console.print()
             session.printer.close_line()
-            left = await _left_behind(opened, conversation_id)
+            left = await _left_behind(opened, conversation_id, stopped=not closed.timed_out)
             if closed.timed_out:
                 left += f" {closed.remaining} run(s) did not stop in time: `threadline recover` settles them."
             say(console, f"[dim]bye — conversation {escape(conversation_id)} is saved.{left}[/]")
     return 0
 
 
-async def _left_behind(opened: OpenStore, conversation_id: str) -> str:
-    """What is still queued (or running elsewhere) on the conversation after the close, read from the store."""
+async def _left_behind(opened: OpenStore, conversation_id: str, *, stopped: bool) -> str:
+    """What is still queued (or running elsewhere) on the conversation after the close, read from the store.
+    ``stopped``: every run of this chat stopped in time, so a run still running is another process's."""
     try:
         active = await opened.store.list_active_runs(conversation_id=conversation_id)
     except ThreadlineError as error:
@@ -549,9 +518,9 @@ async def _left_behind(opened: OpenStore, conversation_id: str) -> str:
     parts = []
     if queued:
         parts.append(f"{queued} message{'s' if queued != 1 else ''} still queued: the next chat on it answers them")
-    if other:
+    if other and stopped:
         parts.append(f"{other} run{'s' if other != 1 else ''} still running in another process")
-    return " " + "; ".join(parts) + "."
+    return " " + "; ".join(parts) + "." if parts else ""
 
 
 def run_chat(
@@ -570,8 +539,5 @@ def run_chat(
     if base_url is not None:
         check_reachable(base_url)
     tty = sys.stdin.isatty() and sys.stdout.isatty()
-    return asyncio.run(
-        _chat(
-            choice, db=db, dsn=dsn, schema=schema, conversation=conversation, policy=policy, base_url=base_url, tty=tty
-        )
-    )
+    options = {"db": db, "dsn": dsn, "schema": schema, "conversation": conversation, "policy": policy}
+    return asyncio.run(_chat(choice, tty=tty, base_url=base_url, **options))

@@ -107,6 +107,48 @@ def test_help_lists_the_commands() -> None:
     assert "keeps no event log" in " ".join(events.output.split())
 
 
+LOADED = """
+import sys
+from threadline.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"pydantic", "pydantic_ai", "rich", "psycopg"})))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "command",
+    [[], ["chat"], ["demo"], ["recover"], ["worker"], ["schema"], ["inspect"], ["inspect", "runs"]],
+    ids=lambda c: " ".join(c) or "threadline",
+)
+def test_help_loads_neither_pydantic_nor_rich(command: list[str]) -> None:
+    """What keeps ``--help`` fast (bench/startup.py measures it): no model library, no records, no Rich."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, *command, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "", done.stdout.splitlines()[-1]
+
+
+@pytest.mark.subprocess
+def test_inspect_into_a_pipe_loads_no_model_library_and_no_rich(tmp_path: Path) -> None:
+    db = tmp_path / "orphan.db"
+    asyncio.run(orphan_database(db))
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, "inspect", "runs", "--db", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "orphaned" in done.stdout
+    assert done.stdout.splitlines()[-1] == "pydantic"  # the records; never pydantic_ai, Rich or psycopg
+
+
 # -------------------------------------------------------------------------------- bad invocations
 
 

@@ -383,7 +383,8 @@ class ChatSession:
             if line is None:  # end of input: let the answers in progress finish (Ctrl-C leaves at once)
                 self.ended = True
                 if self.pending:
-                    self.note("[dim](end of input: waiting for the answers in progress)[/]")
+                    if self.printer.open_run is None:  # never cut an answer's line in two for this remark
+                        self.note("[dim](end of input: waiting for the answers in progress)[/]")
                     waiter = asyncio.ensure_future(asyncio.wait(set(self.pending)))
                     stop = asyncio.ensure_future(self.quit.wait())
                     await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)

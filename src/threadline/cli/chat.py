@@ -477,11 +477,11 @@ async def _chat_on(
         loop.add_signal_handler(signal.SIGINT, session.on_sigint)
         reader: asyncio.Task[None] | None = None
         try:
-            if tty:
-                reader = session.start_prompt(loop)
-            else:
+            if not tty:
                 session.start_reader(loop)
             await session.resume_pending(opened)
+            if tty:  # the input line appears once the start-up notes are on screen: the chat is ready
+                reader = session.start_prompt(loop)
             await session.run()
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -8,9 +8,7 @@ stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -27,7 +25,20 @@ EXIT_ERROR = 2
 """Exit status for a failure threadline reports (an unreadable database, a missing credential…)."""
 EXIT_INTERRUPTED = 130
 
+class _Group(typer.core.TyperGroup):
+    """A command group whose ``--help`` flag defaults to ``False`` instead of ``None``: Typer (0.2x) builds a
+    pydantic adapter to coerce a ``None`` flag, which costs every subcommand's start-up (and ``--help``)
+    about a hundred milliseconds of importing pydantic before anything runs; a ``bool`` passes through."""
+
+    def get_help_option(self, ctx: typer.Context) -> typer.core.TyperOption | None:  # type: ignore[override]
+        option = super().get_help_option(ctx)
+        if option is not None and option.default is None:
+            option.default = False
+        return option
+
+
 app = typer.Typer(
+    cls=_Group,
     name="threadline",
     help="Durable tool-using language-model conversations on SQLite or PostgreSQL.",
     no_args_is_help=True,
@@ -36,6 +47,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 inspect_app = typer.Typer(
+    cls=_Group,
     name="inspect",
     help="Read a threadline database: conversations, runs, messages, events. Tables, or --json for scripts.",
     no_args_is_help=True,
@@ -127,6 +139,8 @@ def schema(
 ) -> None:
     """Print the JSON Schema (draft 2020-12) of every canonical record, keyed by record name."""
     with _reported():
+        import json
+
         from ..records import export_json_schemas
 
         schemas = export_json_schemas()
@@ -157,6 +171,8 @@ def demo(
     """Watch the runtime offline: streaming with tools, the five input policies side by side, a crash
     and its recovery, and every run's terminal reason and usage. Uses a built-in scripted model."""
     with _reported():
+        import asyncio
+
         from rich.console import Console
 
         from .demo import DemoCheckFailed, run_demo
@@ -175,6 +191,8 @@ def demo_child(
 ) -> None:
     """The demo's crash scene runs this in a child process and kills it with SIGKILL mid-answer."""
     with _reported():
+        import asyncio
+
         from .demo import run_demo_child
 
         asyncio.run(run_demo_child(db, conversation, pace=pace))
@@ -326,6 +344,8 @@ def worker(
 ) -> None:
     """Execute whatever is queued (runs admitted by any process) until SIGTERM, then close gracefully."""
     with _reported():
+        import asyncio
+
         from .worker import run_worker
 
         status = asyncio.run(

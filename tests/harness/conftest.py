@@ -81,9 +81,7 @@ class Scripted:
                 await self.gates[i].wait()
 
 
-def make_harness(
-    scripted: Scripted | dict[str, Scripted], store: Any = None, **options: Any
-) -> HeadlessAgentHarness:
+def make_harness(scripted: Scripted | dict[str, Scripted], store: Any = None, **options: Any) -> HeadlessAgentHarness:
     """A harness over a memory store (unless given). One script, or several by registry name (then
     ``options['models']`` chooses among them per run)."""
     models = scripted if isinstance(scripted, dict) else {"m": scripted}

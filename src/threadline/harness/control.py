@@ -353,9 +353,7 @@ class AgentHarnessControlServer:
                 input_metadata=request.input_metadata,
             )
         admission = await ticket.admission
-        return AgentControlOkResponse(
-            request_id=rid, run_id=admission.run_id, snapshot=await harness.snapshot(cid)
-        )
+        return AgentControlOkResponse(request_id=rid, run_id=admission.run_id, snapshot=await harness.snapshot(cid))
 
     @staticmethod
     def _rejected(request_id: str, error: Exception) -> AgentControlErrorResponse:

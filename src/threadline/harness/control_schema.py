@@ -160,9 +160,7 @@ class AgentControlResyncDelivery(_Wire):
     reason: Literal["overflow"] = "overflow"
 
 
-AgentControlDelivery = Annotated[
-    AgentControlEventDelivery | AgentControlResyncDelivery, Field(discriminator="type")
-]
+AgentControlDelivery = Annotated[AgentControlEventDelivery | AgentControlResyncDelivery, Field(discriminator="type")]
 AGENT_CONTROL_DELIVERY_ADAPTER: TypeAdapter[AgentControlDelivery] = TypeAdapter(AgentControlDelivery)
 
 

@@ -292,7 +292,14 @@ def create_headless_agent_harness(
         )
         rendered = render_harness_resources(loaded.resources)
         composed = await compose_agent_prompt(
-            [{"name": "harness-resources", "stability": "session", "render": lambda _ctx: rendered, "source": "harness"}],
+            [
+                {
+                    "name": "harness-resources",
+                    "stability": "session",
+                    "render": lambda _ctx: rendered,
+                    "source": "harness",
+                }
+            ],
             count_tokens=estimate_resource_tokens,
         )(ctx)
         if prompt_budget is not None:

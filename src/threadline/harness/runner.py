@@ -265,7 +265,12 @@ async def run_headless_agent_runner(
                 await emit(_error(request_id or _request_id(line), refused.code, refused.message, refused.field))
             except ThreadlineError as error:
                 await emit(
-                    _error(request_id, "REQUEST_REJECTED", f"{type(error).__name__}: {error}", getattr(error, "field", None))
+                    _error(
+                        request_id,
+                        "REQUEST_REJECTED",
+                        f"{type(error).__name__}: {error}",
+                        getattr(error, "field", None),
+                    )
                 )
             except Exception as error:
                 _log.warning("a runner request failed", exc_info=True)

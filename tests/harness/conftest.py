@@ -77,6 +77,7 @@ class Scripted:
         words = text.split(" ")
         for n, word in enumerate(words):
             yield word if n == 0 else f" {word}"
+            await asyncio.sleep(0)  # a network stream lets other tasks run between chunks
             if n == 0 and i in self.gates:
                 await self.gates[i].wait()
 

@@ -272,12 +272,15 @@ class AgentHarnessControlServer:
             if cid not in state.attached:
                 return control_error(rid, "NOT_ATTACHED", f"attach conversation {cid!r} before this request")
             if isinstance(request, SnapshotRequest):
-                return AgentControlOkResponse(request_id=rid, snapshot=await self.harness.snapshot(cid))
-            if state.attached.get(cid) != "control" or self._controllers.get(cid) != state.id:
+                response: AgentControlResponse = AgentControlOkResponse(
+                    request_id=rid, snapshot=await self.harness.snapshot(cid)
+                )
+            elif state.attached.get(cid) != "control" or self._controllers.get(cid) != state.id:
                 return control_error(
                     rid, "LEASE_REQUIRED", "this operation needs the controller lease: attach with access 'control'"
                 )
-            response = await self._controlled(request)
+            else:
+                response = await self._controlled(request)
             if not self._live(state):
                 return control_error(rid, "CONNECTION_CLOSED", "the connection closed while the request ran")
             return response

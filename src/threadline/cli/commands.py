@@ -198,6 +198,16 @@ def chat(
         ),
     ] = "queue",
     pace: PaceOption = 0.05,
+    coding_root: Annotated[
+        Path | None,
+        typer.Option(
+            "--coding-root",
+            help="Give the model the coding tools (read, write, edit, list, glob, search) over this directory; "
+            "no commands (needs threadline[coding]).",
+            file_okay=False,
+            exists=True,
+        ),
+    ] = None,
 ) -> None:
     """Chat in the terminal. Answers stream as they arrive; typing while the model answers applies
     --policy; Ctrl-C interrupts the answer durably and keeps the chat open; Ctrl-C twice (or Ctrl-C
@@ -216,6 +226,7 @@ def chat(
             base_url=base_url,
             policy=policy,
             pace=pace,
+            coding_root=coding_root,
         )
         raise typer.Exit(status)
 

@@ -34,8 +34,11 @@ class Caller:
     context: Any = None
 
     def run_context(self, from_body: Any) -> Any:
-        """The context a submission runs with: the hook's, else what the body carried (no hook)."""
-        return self.context if self.authenticated else from_body
+        """The context a submission runs with: the hook's; without a hook what the body carried, ``{}`` when
+        it carried none (the protocol's context model fills its defaults)."""
+        if self.authenticated:
+            return self.context
+        return {} if from_body is None else from_body
 
 
 def bearer_token(connection: HTTPConnection, *, allow_query: bool) -> str | None:

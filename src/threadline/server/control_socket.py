@@ -62,13 +62,13 @@ class _Socket:
 
 
 def _with_context(text: str, caller: Caller) -> Any:
-    """The request to hand the control server: parsed, with the caller's context when authenticated."""
+    """The request to hand the control server: parsed, with the context it runs with (the caller's)."""
     try:
         raw = json.loads(text)
     except ValueError:
         return text  # the control server answers REQUEST_REJECTED
-    if caller.authenticated and isinstance(raw, dict) and raw.get("operation") in _CONTEXT_OPERATIONS:
-        raw["context"] = caller.context
+    if isinstance(raw, dict) and raw.get("operation") in _CONTEXT_OPERATIONS:
+        raw["context"] = caller.run_context(raw.get("context"))
     return raw
 
 

@@ -194,7 +194,9 @@ def validation_field(error: ValidationError, raw: Any) -> tuple[str, str]:
             continue
         names.append(str(item))
         current = None
-    return ".".join(names), first["msg"]
+    if first["type"] in ("union_tag_not_found", "union_tag_invalid"):
+        names.append(str((first.get("ctx") or {}).get("discriminator", "")).strip("'"))
+    return ".".join(n for n in names if n), first["msg"]
 
 
 def parse_control_request(raw: Any) -> AgentControlRequest | AgentControlErrorResponse:

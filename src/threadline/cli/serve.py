@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,30 @@ async def _serve_http(
         raise CliUsageError(f"{error}") from None
     authenticate = static_bearer_token(token, CliContext().model_dump()) if token else None
     app = create_agent_harness_app(harness, authenticate=authenticate, cors_origins=tuple(cors_origins))
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, stopped by SIGTERM/SIGINT through the event loop — without uvicorn re-raising
+        the signal once it stopped, which would kill the process before the harness closes its runs."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            installed = []
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.add_signal_handler(signum, self.stop, signum)
+                    installed.append(signum)
+            try:
+                yield
+            finally:
+                for signum in installed:
+                    loop.remove_signal_handler(signum)
+
+        def stop(self, signum: int) -> None:
+            if self.should_exit and signum == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+            self.should_exit = True
+
     config = uvicorn.Config(
         app,
         host=host,
@@ -102,7 +127,7 @@ async def _serve_http(
         ws_max_size=1_048_576,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     serving = asyncio.ensure_future(server.serve())
     while not server.started:
         if serving.done():

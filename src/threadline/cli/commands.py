@@ -367,6 +367,14 @@ def serve(
         bool, typer.Option("--stdio", help="Speak the JSON-lines structured runner on stdin/stdout instead of HTTP.")
     ] = False,
     events: Annotated[bool, typer.Option("--events", help="With --stdio: also write every delivery event.")] = False,
+    root: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--root",
+            help="A file-resource root ID:KIND:/absolute/path, KIND instruction, skill or resource (repeatable; "
+            "needs threadline[harness]). Instructions enter the prompt; skills and resources are read on demand.",
+        ),
+    ] = None,
     grace: Annotated[float, typer.Option("--grace", help="On stop: seconds runs may finish on their own.")] = 10.0,
     force: Annotated[float, typer.Option("--force", help="Then: seconds to wait for aborted runs to settle.")] = 5.0,
 ) -> None:
@@ -392,6 +400,7 @@ def serve(
                 events=events,
                 grace=grace,
                 force=force,
+                roots=root or [],
             )
         )
         raise typer.Exit(status)

@@ -157,6 +157,20 @@ def _demo_banner(token: str | None) -> list[str]:
     ]
 
 
+def _file_resources(specs: Sequence[str]) -> Any:
+    """``--root ID:KIND:/absolute/path`` options as a file-resource loader."""
+    from ..harness import create_agent_harness_file_resources
+
+    roots = []
+    for spec in specs:
+        root_id, _, rest = spec.partition(":")
+        kind, _, path = rest.partition(":")
+        if not root_id or not kind or not path:
+            raise CliUsageError(f"--root is ID:KIND:/absolute/path, got {spec!r}")
+        roots.append({"id": root_id, "path": path, "kind": kind})
+    return create_agent_harness_file_resources(roots=roots)
+
+
 async def run_serve(
     *,
     db: Path | None,
@@ -174,12 +188,13 @@ async def run_serve(
     grace: float,
     force: float,
     pace: float | None = None,
-    resources: Any = None,
+    roots: Sequence[str] = (),
 ) -> int:
     if demo and (model or base_url):
         raise CliUsageError("--demo uses the built-in scripted model; leave out --model and --base-url")
     if host not in LOOPBACK and not token and not stdio:
         typer.echo(f"warning: serving on {host} without --token: anyone who reaches it can run the model", err=True)
+    resources = _file_resources(roots) if roots else None
     choice = choose_model(model, base_url, pace=DEMO_PACE if demo and pace is None else (pace or 0.0))
     check_model(choice, model or "scripted")
     tools = [lookup_tool(), clock_tool()] if (demo or choice.scripted is not None) else [lookup_tool()]

@@ -143,6 +143,7 @@ class AgentControlEventDelivery(_Wire):
     type: Literal["event"] = "event"
     event: AgentRuntimeEvent
     _event_json: str | None = PrivateAttr(default=None)
+    _json: str | None = PrivateAttr(default=None)
 
     def event_json(self) -> str:
         """The event as JSON text, encoded once for every connection."""
@@ -151,8 +152,10 @@ class AgentControlEventDelivery(_Wire):
         return self._event_json
 
     def json_text(self) -> str:
-        """This delivery as JSON text (the event encoded once)."""
-        return '{"schema_version":1,"type":"event","event":' + self.event_json() + "}"
+        """This delivery as JSON text, encoded once for every connection."""
+        if self._json is None:
+            self._json = '{"schema_version":1,"type":"event","event":' + self.event_json() + "}"
+        return self._json
 
 
 class AgentControlResyncDelivery(_Wire):

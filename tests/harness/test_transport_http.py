@@ -243,3 +243,48 @@ async def test_cors_allows_the_configured_origins_only(scripted: Scripted) -> No
         simple = await client.get("/healthz", headers={"Origin": "http://app.example"})
         assert simple.headers["access-control-allow-origin"] == "http://app.example"
     await harness.close()
+
+
+async def test_an_sse_reader_that_falls_behind_gets_resync_required_and_the_stream_ends() -> None:
+    import socket
+
+    from threadline.harness import create_agent_harness_control_server
+
+    from .conftest import wait_for
+
+    scripted = Scripted()
+    harness = make_harness(scripted, loop={"checkpoint_every_events": 1_000_000})
+    control = create_agent_harness_control_server(harness, max_pending_events=8)
+    async with serving(create_agent_harness_app(harness, control=control)) as base:
+        host, port = base.split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # a small window that does not grow
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(f"GET /conversations/c1/events HTTP/1.1\r\nHost: {base}\r\n\r\n".encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"event: snapshot"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200")
+        # the reader stops reading: the server's writes back up until the connection overflows
+        ticket = harness.submit(
+            conversation_id="c1",
+            idempotency_key="k",
+            context={"user_id": "u1"},
+            parts=[{"type": "text", "text": " ".join(["w" * 2000] * 3_000)}],
+        )
+        await wait_for(lambda: control.connection_count == 0, "the overflow to detach the stalled stream")
+        rest = b""
+        while True:
+            chunk = await asyncio.wait_for(reader.read(1 << 20), WAIT)
+            if not chunk:
+                break
+            rest += chunk
+            if b"event: resync-required" in rest and rest.endswith(b"0\r\n\r\n"):
+                break  # the chunked body ended after the resync notice
+        assert b"event: resync-required" in rest
+        assert (await asyncio.wait_for(ticket.result, WAIT * 3)).terminal_reason == "success"
+        writer.close()
+        await writer.wait_closed()
+        sock.close()
+    await harness.close()

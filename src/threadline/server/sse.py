@@ -87,7 +87,10 @@ async def conversation_events(request: Request) -> Response:
     last = _parse_last_event_id(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
     queue: asyncio.Queue[Any] = asyncio.Queue(STREAM_QUEUE)
 
+    overflowed = asyncio.Event()  # the marker below may not fit a full queue; the reader also checks this
+
     def on_overflow(delivery: Any) -> None:
+        overflowed.set()
         with contextlib.suppress(asyncio.QueueFull):
             queue.put_nowait(_OVERFLOW)
 
@@ -110,11 +113,14 @@ async def conversation_events(request: Request) -> Response:
             if not resume:
                 yield sse_frame("snapshot", snapshot.model_dump_json(), str(version))
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), state.settings.keepalive)
-                except TimeoutError:
-                    yield ": keepalive\n\n"
-                    continue
+                if overflowed.is_set() and queue.empty():
+                    item = _OVERFLOW
+                else:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), state.settings.keepalive)
+                    except TimeoutError:
+                        yield ": keepalive\n\n"
+                        continue
                 if item is _OVERFLOW:
                     yield sse_frame("resync-required", '{"reason":"overflow"}')
                     return

@@ -229,7 +229,10 @@ async def chat(request: Request) -> Response:
 
     queue: asyncio.Queue[Any] = asyncio.Queue(STREAM_QUEUE)
 
+    overflowed = asyncio.Event()  # the marker below may not fit a full queue; the reader also checks this
+
     def on_overflow(delivery: Any) -> None:
+        overflowed.set()
         with contextlib.suppress(asyncio.QueueFull):
             queue.put_nowait(_OVERFLOW)
 
@@ -269,6 +272,8 @@ async def chat(request: Request) -> Response:
             yield encode(StartChunk(message_id=admission.assistant_message_id))
             if not admission.run.terminal:
                 while True:
+                    if overflowed.is_set() and queue.empty():
+                        break  # finish from the stored answer below
                     item = await queue.get()
                     if item is _OVERFLOW:
                         break  # finish from the stored answer below

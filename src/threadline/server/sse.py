@@ -124,15 +124,24 @@ async def conversation_events(request: Request) -> Response:
                 if item is _OVERFLOW:
                     yield sse_frame("resync-required", '{"reason":"overflow"}')
                     return
-                event = item.event
-                if event.type in DURABLE_EVENT_TYPES:
-                    if event.version <= snapshot.version:
-                        continue  # the snapshot (or what the resuming reader saw) already holds it
-                    version = max(version, event.version)
-                    event_id = str(version)
-                else:
-                    event_id = f"{version}:{event.run_id}:{event.runtime_epoch}:{event.sequence}"
-                yield sse_frame(event.type, item.event_json(), event_id)
+                # everything already waiting goes out in one write (a reader that fell behind catches up in
+                # fewer, larger writes)
+                frames = []
+                while item is not None and item is not _OVERFLOW:
+                    event = item.event
+                    if event.type in DURABLE_EVENT_TYPES:
+                        if event.version > snapshot.version:  # else the snapshot (or the resumed reader) has it
+                            version = max(version, event.version)
+                            frames.append(sse_frame(event.type, item.event_json(), str(version)))
+                    else:
+                        event_id = f"{version}:{event.run_id}:{event.runtime_epoch}:{event.sequence}"
+                        frames.append(sse_frame(event.type, item.event_json(), event_id))
+                    item = queue.get_nowait() if not queue.empty() else None
+                if frames:
+                    yield "".join(frames)
+                if item is _OVERFLOW:
+                    yield sse_frame("resync-required", '{"reason":"overflow"}')
+                    return
         finally:
             connection.close()
 

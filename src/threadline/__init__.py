@@ -426,6 +426,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return [*globals(), *_EXPORTS]
 
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..delivery import AgentRuntimeEventCursor, AgentTransientCursor, advance_agent_runtime_event_cursor
+from ..errors import AgentRuntimeUsageError
 from ..events import DURABLE_EVENT_TYPES
 from ..store.aggregate import AgentRuntimeStore
 from .frames import IncomingFrame, RelayGap, decode_body
@@ -107,7 +108,9 @@ def _resolve_target(target: Any) -> tuple[Callable[[Any], Any], Callable[..., An
         return publish, subscribe if callable(subscribe) else None
     if callable(target):
         return target, None
-    raise TypeError("a live subscription publishes into an event hub, a harness, or a callable taking one event")
+    raise AgentRuntimeUsageError(
+        f"target is an event hub, a harness or a callable taking one event, got {type(target).__name__}"
+    )
 
 
 class AgentLiveSubscription:

@@ -236,6 +236,10 @@ class PostgresStoreDriver:
             with contextlib.suppress(Exception):
                 await conn.close()
             raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+        except BaseException:  # cancelled (a runtime closing right after it began to listen): not left open
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
         return conn
 
     def _own_backend(self, pid: int) -> None:

@@ -201,6 +201,7 @@ if TYPE_CHECKING:
         create_sqlite_agent_runtime_store as create_sqlite_agent_runtime_store,
     )
     from .tools import (
+        APP_ERROR_STATUS as APP_ERROR_STATUS,
         AgentTool as AgentTool,
         AgentToolCall as AgentToolCall,
         AgentToolContext as AgentToolContext,
@@ -209,6 +210,7 @@ if TYPE_CHECKING:
         compose_tool_lifecycle as compose_tool_lifecycle,
         create_agent_tool_fence_lifecycle as create_agent_tool_fence_lifecycle,
         define_agent_tool as define_agent_tool,
+        tool_error_from_result as tool_error_from_result,
     )
     from .usage import (
         AgentCost as AgentCost,
@@ -369,6 +371,7 @@ _EXPORTS: dict[str, str] = {
     "create_postgres_agent_runtime_store": ".store.postgres",
     "SqliteAgentRuntimeStoreHandle": ".store.sqlite",
     "create_sqlite_agent_runtime_store": ".store.sqlite",
+    "APP_ERROR_STATUS": ".tools",
     "AgentTool": ".tools",
     "AgentToolCall": ".tools",
     "AgentToolContext": ".tools",
@@ -377,6 +380,7 @@ _EXPORTS: dict[str, str] = {
     "compose_tool_lifecycle": ".tools",
     "create_agent_tool_fence_lifecycle": ".tools",
     "define_agent_tool": ".tools",
+    "tool_error_from_result": ".tools",
     "AgentCost": ".usage",
     "AgentUsage": ".usage",
     "UsageFigure": ".usage",
@@ -396,10 +400,12 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return [*globals(), *_EXPORTS]
 
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AGENT_TOOL_PROGRESS_MESSAGE_MAX",
+    "APP_ERROR_STATUS",
     "SCHEMA_VERSION",
     "AbsorbClaim",
     "AdmissionEvent",
@@ -562,4 +568,5 @@ __all__ = [
     "split_agent_history_turns",
     "structured_compaction",
     "takeover_expired_leases",
+    "tool_error_from_result",
 ]

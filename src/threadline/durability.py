@@ -649,9 +649,7 @@ class LocalStepDurability:
             _check_callable(effect_name, reconcile, "reconcile")
         for joined in joined_run_ids:
             _check_name("joined run id", joined)
-        keys = tuple(
-            dict.fromkeys(AgentStepKey(conversation_id, r, effect_name) for r in (run_id, *joined_run_ids))
-        )
+        keys = tuple(dict.fromkeys(AgentStepKey(conversation_id, r, effect_name) for r in (run_id, *joined_run_ids)))
         while (running := next((f for k in keys if (f := self._inflight.get(k)) is not None), None)) is not None:
             await asyncio.shield(running)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

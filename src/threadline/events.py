@@ -182,8 +182,8 @@ class ReasoningEndEvent(_Transient):
 
 
 class ToolFailureEnvelope(TypedDict):
-    """The safe ``{error, retryable, details?, _hint?}`` envelope of a failed call (the same one the model
-    and the durable tool result see). Unknown keys are dropped, so no internal cause can ride along."""
+    """The safe ``{error, retryable, message?, details?, _hint?, status?}`` envelope of a failed call (the same
+    one the model and the durable tool result see). Unknown keys are dropped, so no internal cause can ride along."""
 
     __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
 
@@ -192,6 +192,7 @@ class ToolFailureEnvelope(TypedDict):
     message: NotRequired[str]
     details: NotRequired[JsonValue]
     _hint: NotRequired[str]
+    status: NotRequired[int]
 
 
 class ToolStatusEvent(_Transient):

@@ -26,8 +26,31 @@ INTERNAL_SERVER_ERROR = "INTERNAL_SERVER_ERROR"
 INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
 
 
+APP_ERROR_STATUS: dict[str, int] = {
+    "BAD_REQUEST": 400,
+    INVALID_ARGUMENTS: 400,
+    "INVALID_CONTEXT": 400,
+    "UNAUTHORIZED": 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "UNKNOWN_TOOL": 404,
+    "SPILL_REFERENCE_UNKNOWN": 404,
+    "CONFLICT": 409,
+    "PAYLOAD_TOO_LARGE": 413,
+    "UNPROCESSABLE_ENTITY": 422,
+    "TOO_MANY_REQUESTS": 429,
+    INTERNAL_SERVER_ERROR: 500,
+    "SERVICE_UNAVAILABLE": 503,
+    "SANDBOX_UNAVAILABLE": 503,
+    "TIMEOUT": 504,
+}
+"""The one map from an error code to its HTTP status (stitchkit's ``STITCH_ERROR_STATUS``); a code it does not
+name is 500."""
+
+
 class AppError(ThreadlineError):
-    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model."""
+    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model.
+    ``status`` is the code's HTTP status from :data:`APP_ERROR_STATUS` (500 for a code it does not name)."""
 
     def __init__(
         self, code: str, message: str, details: Any = None, hint: str | None = None, *, retryable: bool = False
@@ -38,19 +61,40 @@ class AppError(ThreadlineError):
         self.details = details
         self.hint = hint
         self.retryable = retryable
+        self.status = APP_ERROR_STATUS.get(code, 500)
 
 
 def error_envelope(error: BaseException) -> dict[str, Any]:
-    """The safe ``{error, retryable, details?, _hint?}`` envelope. Only :class:`AppError` says more than
-    ``INTERNAL_SERVER_ERROR``; the cause of anything else stays in the process."""
+    """The safe ``{error, retryable, message?, details?, _hint?, status?}`` envelope. Only :class:`AppError`
+    says more than ``INTERNAL_SERVER_ERROR``; the cause of anything else stays in the process."""
     if isinstance(error, AppError):
         envelope: dict[str, Any] = {"error": error.code, "message": error.message, "retryable": error.retryable}
         if error.details is not None:
             envelope["details"] = error.details
         if error.hint:
             envelope["_hint"] = error.hint
+        envelope["status"] = error.status
         return envelope
     return {"error": INTERNAL_SERVER_ERROR, "retryable": False}
+
+
+def tool_error_from_result(envelope: Any) -> AppError:
+    """Rebuild the :class:`AppError` of an envelope that crossed a process boundary (a stored tool result,
+    an event, JSON from another process): same code, message, details, hint and retryability; its status
+    comes from the code, so it survives the wire. Anything that is not an envelope is an
+    ``INTERNAL_SERVER_ERROR``."""
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("error"), str):
+        return AppError(INTERNAL_SERVER_ERROR, "the tool failed")
+    code = envelope["error"]
+    message = envelope.get("message")
+    hint = envelope.get("_hint")
+    return AppError(
+        code,
+        message if isinstance(message, str) else code,
+        envelope.get("details"),
+        hint if isinstance(hint, str) else None,
+        retryable=envelope.get("retryable") is True,
+    )
 
 
 @dataclass

@@ -6,6 +6,7 @@ Interleavings are decided by events the test opens (``Scripted.gate``), never by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -132,3 +133,27 @@ async def wait_for(predicate: Callable[[], bool], what: str) -> None:
 @pytest.fixture
 def scripted() -> Scripted:
     return Scripted()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1 on an ephemeral port in this event loop; yields its base URL."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", ws="websockets-sansio")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    try:
+
+        async def started() -> None:
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(started(), WAIT)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, WAIT)

@@ -89,12 +89,23 @@ def check_compaction(out: str) -> None:
     assert "its instructions: 'Earlier, the user said: my name is Ada; I live in Porto'" in out
 
 
+def check_coding(out: str) -> None:
+    assert "  glob: ['calc/core.py', 'calc/test_core.py']" in out
+    assert "  edit_file refused: NOT_FOUND — read the file and copy the snippet exactly" in out
+    assert '"creates_directories"' not in out and '"operation": "edit"' in out
+    assert "  run_command: exit 0 (exited): OK" in out
+    assert "denied [{'path': 'secrets', 'kind': 'directory'}]" in out
+    assert "run: success: Fixed add() in calc/core.py; the tests pass." in out
+    assert "calc/core.py now: 'def add(a, b):\\n    return a + b\\n'" in out
+
+
 CHECKS = [
     ("policies.py", check_policies),
     ("tools_and_approvals.py", check_tools),
     ("recovery.py", check_recovery),
     ("events_sink.py", check_events),
     ("compaction.py", check_compaction),
+    ("coding_agent.py", check_coding),
 ]
 
 

@@ -131,6 +131,7 @@ async def test_error_envelopes_reach_the_model_and_causes_stay_local(store: Any)
                 "retryable": False,
                 "details": {"order": 7},
                 "_hint": "list orders first",
+                "status": 404,
             },
         ),
         ("crash", "error", {"error": "INTERNAL_SERVER_ERROR", "retryable": False}),

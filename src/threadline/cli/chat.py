@@ -304,8 +304,15 @@ async def _chat(
     schema: str | None,
     conversation: str | None,
     policy: str,
+    coding_root: Path | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
+    tools = [clock_tool()]
+    if coding_root is not None:
+        from ..coding import create_agent_coding_tools
+
+        # the user chose this directory for the model: its file tools are allowed there, and nothing runs
+        tools += create_agent_coding_tools(root=coding_root.resolve(), authorize=lambda payload: True)
     async with open_store(db, dsn, schema=schema) as opened:
         conversation_id = conversation or await default_conversation(opened)
         new = conversation_id is None
@@ -317,7 +324,7 @@ async def _chat(
             choice.model,
             model_name="chat",
             policy=policy,
-            tools=[clock_tool()],
+            tools=tools,
             publish=session.on_event,
             operator_publish=session.on_operator,
             lease_duration=LEASE,
@@ -372,8 +379,20 @@ def run_chat(
     base_url: str | None,
     policy: str,
     pace: float,
+    coding_root: Path | None = None,
 ) -> int:
     choice = choose_model(model, base_url, pace=pace)
     check_model(choice, model or "scripted")
     console = Console(highlight=False)
-    return asyncio.run(_chat(console, choice, db=db, dsn=dsn, schema=schema, conversation=conversation, policy=policy))
+    return asyncio.run(
+        _chat(
+            console,
+            choice,
+            db=db,
+            dsn=dsn,
+            schema=schema,
+            conversation=conversation,
+            policy=policy,
+            coding_root=coding_root,
+        )
+    )

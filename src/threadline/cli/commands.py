@@ -1,5 +1,5 @@
-"""The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover``, ``worker`` and
-``schema``.
+"""The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover``, ``worker``,
+``serve`` and ``schema``.
 
 Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` (an
 unreadable database, a missing credential, an unknown policy…) becomes one line ``error: <message>`` on
@@ -198,6 +198,16 @@ def chat(
         ),
     ] = "queue",
     pace: PaceOption = 0.05,
+    coding_root: Annotated[
+        Path | None,
+        typer.Option(
+            "--coding-root",
+            help="Give the model the coding tools (read, write, edit, list, glob, search) over this directory; "
+            "no commands (needs threadline[coding]).",
+            file_okay=False,
+            exists=True,
+        ),
+    ] = None,
 ) -> None:
     """Chat in the terminal. Answers stream as they arrive; typing while the model answers applies
     --policy; Ctrl-C interrupts the answer durably and keeps the chat open; Ctrl-C twice (or Ctrl-C
@@ -216,6 +226,7 @@ def chat(
             base_url=base_url,
             policy=policy,
             pace=pace,
+            coding_root=coding_root,
         )
         raise typer.Exit(status)
 
@@ -325,6 +336,71 @@ def worker(
                 force=force,
                 replay_safe=takeover_expired,
                 gc_tuning=gc_tuning,
+            )
+        )
+        raise typer.Exit(status)
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+@app.command()
+def serve(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8000,
+    model: ModelOption = None,
+    base_url: BaseUrlOption = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Serve the built-in scripted model (offline) and print what to try.")
+    ] = False,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="THREADLINE_TOKEN", help="Require this bearer token (env THREADLINE_TOKEN)."),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None, typer.Option("--cors-origin", help="A browser origin allowed to call (repeatable).")
+    ] = None,
+    stdio: Annotated[
+        bool, typer.Option("--stdio", help="Speak the JSON-lines structured runner on stdin/stdout instead of HTTP.")
+    ] = False,
+    events: Annotated[bool, typer.Option("--events", help="With --stdio: also write every delivery event.")] = False,
+    root: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--root",
+            help="A file-resource root ID:KIND:/absolute/path, KIND instruction, skill or resource (repeatable; "
+            "needs threadline[harness]). Instructions enter the prompt; skills and resources are read on demand.",
+        ),
+    ] = None,
+    grace: Annotated[float, typer.Option("--grace", help="On stop: seconds runs may finish on their own.")] = 10.0,
+    force: Annotated[float, typer.Option("--force", help="Then: seconds to wait for aborted runs to settle.")] = 5.0,
+) -> None:
+    """Serve conversations over HTTP: the control protocol on a WebSocket, Server-Sent Events per
+    conversation, the Vercel AI SDK chat stream and a REST surface (needs threadline[server]); or, with
+    --stdio, as a JSON-lines runner for a supervisor. --demo answers with the built-in scripted model."""
+    with _reported():
+        from .serve import run_serve
+
+        status = asyncio.run(
+            run_serve(
+                db=db,
+                dsn=dsn,
+                schema=schema_name,
+                host=host,
+                port=port,
+                model=model,
+                base_url=base_url,
+                demo=demo,
+                token=token,
+                cors_origins=cors_origin or [],
+                stdio=stdio,
+                events=events,
+                grace=grace,
+                force=force,
+                roots=root or [],
             )
         )
         raise typer.Exit(status)

@@ -39,6 +39,12 @@ from .control_schema import (
     AgentControlResponse as AgentControlResponse,
     AgentControlResyncDelivery as AgentControlResyncDelivery,
 )
+from .file_resources import (
+    AgentHarnessFileLimits as AgentHarnessFileLimits,
+    AgentHarnessFileResources as AgentHarnessFileResources,
+    AgentHarnessFileRoot as AgentHarnessFileRoot,
+    create_agent_harness_file_resources as create_agent_harness_file_resources,
+)
 from .harness import (
     AgentHarnessDiagnostics as AgentHarnessDiagnostics,
     HeadlessAgentHarness as HeadlessAgentHarness,
@@ -70,6 +76,9 @@ __all__ = (
     "AgentHarnessControlConnection",
     "AgentHarnessControlServer",
     "AgentHarnessDiagnostics",
+    "AgentHarnessFileLimits",
+    "AgentHarnessFileResources",
+    "AgentHarnessFileRoot",
     "AgentHarnessLimits",
     "AgentHarnessModelSummary",
     "AgentHarnessProfileEvent",
@@ -81,6 +90,7 @@ __all__ = (
     "AgentHarnessResourceResult",
     "HeadlessAgentHarness",
     "create_agent_harness_control_server",
+    "create_agent_harness_file_resources",
     "create_headless_agent_harness",
     "run_headless_agent_runner",
 )

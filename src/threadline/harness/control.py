@@ -198,6 +198,7 @@ class AgentHarnessControlServer:
             return
         # one delivery per event, shared by every connection (a transport encodes it once)
         delivery = AgentControlEventDelivery.model_construct(event=event)
+        object.__setattr__(delivery, "__pydantic_private__", {"_event_json": None, "_json": None})  # the encoding cache
         for state in tuple(observers):
             if not state.overflowed:
                 state.sink.publish(delivery)  # type: ignore[union-attr]

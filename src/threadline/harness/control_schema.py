@@ -142,12 +142,19 @@ class AgentControlEventDelivery(_Wire):
 
     type: Literal["event"] = "event"
     event: AgentRuntimeEvent
+    _event_json: str | None = PrivateAttr(default=None)
     _json: str | None = PrivateAttr(default=None)
 
+    def event_json(self) -> str:
+        """The event as JSON text, encoded once for every connection."""
+        if self._event_json is None:
+            self._event_json = self.event.model_dump_json()
+        return self._event_json
+
     def json_text(self) -> str:
-        """This delivery as JSON text, computed once."""
+        """This delivery as JSON text, encoded once for every connection."""
         if self._json is None:
-            self._json = self.model_dump_json()
+            self._json = '{"schema_version":1,"type":"event","event":' + self.event_json() + "}"
         return self._json
 
 
@@ -164,42 +171,57 @@ AgentControlDelivery = Annotated[AgentControlEventDelivery | AgentControlResyncD
 AGENT_CONTROL_DELIVERY_ADAPTER: TypeAdapter[AgentControlDelivery] = TypeAdapter(AgentControlDelivery)
 
 
+_TAG_FIELDS = ("type", "operation", "trigger")
+
+
+def validation_field(error: ValidationError, raw: Any) -> tuple[str, str]:
+    """The first error of ``error`` as (field path, message). The path follows ``raw`` (the parsed input),
+    so a discriminated union's tag, which pydantic puts in the location, is left out:
+    ``parts.0.text``, not ``parts.0.text.text``."""
+    first = error.errors()[0]
+    names: list[str] = []
+    current: Any = raw
+    tagged: Any = None  # the object whose union tag was already passed
+    for item in first["loc"]:
+        if isinstance(current, dict):
+            if item in current:
+                names.append(str(item))
+                current = current[item]
+                continue
+            if current is not tagged and isinstance(item, str) and any(current.get(t) == item for t in _TAG_FIELDS):
+                tagged = current
+                continue  # the union's tag, not a field
+        elif isinstance(current, list | tuple) and isinstance(item, int) and 0 <= item < len(current):
+            names.append(str(item))
+            current = current[item]
+            continue
+        names.append(str(item))
+        current = None
+    if first["type"] in ("union_tag_not_found", "union_tag_invalid"):
+        names.append(str((first.get("ctx") or {}).get("discriminator", "")).strip("'"))
+    return ".".join(n for n in names if n), first["msg"]
+
+
 def parse_control_request(raw: Any) -> AgentControlRequest | AgentControlErrorResponse:
     """``raw`` (a dict, JSON text or bytes, or a request record) as a request, or the ``REQUEST_REJECTED``
     response naming the first field at fault."""
-    if isinstance(raw, BaseModel) and not isinstance(raw, _Request):
-        raw = raw.model_dump()
     if isinstance(raw, _Request):
         return raw  # type: ignore[return-value]
-    try:
-        if isinstance(raw, str | bytes | bytearray):
-            return AGENT_CONTROL_REQUEST_ADAPTER.validate_json(raw)
-        return AGENT_CONTROL_REQUEST_ADAPTER.validate_python(raw)
-    except ValidationError as error:
-        first = error.errors()[0]
-        location = [str(p) for p in first["loc"]]
-        if location and location[0] in (
-            "attach",
-            "detach",
-            "snapshot",
-            "submit",
-            "interrupt",
-            "respond-approval",
-        ):
-            location = location[1:]  # the union's tag is not a field
-        where = ".".join(location) or "operation"
-        request_id = _request_id_of(raw)
-        return control_error(request_id, "REQUEST_REJECTED", f"{where}: {first['msg']}", field=where)
-
-
-def _request_id_of(raw: Any) -> str:
+    if isinstance(raw, BaseModel):
+        raw = raw.model_dump()
     if isinstance(raw, str | bytes | bytearray):
         try:
             raw = json.loads(raw)
-        except ValueError:
-            return "unknown"
-    value = raw.get("request_id") if isinstance(raw, dict) else None
-    return value if isinstance(value, str) and value else "unknown"
+        except ValueError as error:
+            return control_error("unknown", "REQUEST_REJECTED", f"a request is one JSON object: {error}")
+    try:
+        return AGENT_CONTROL_REQUEST_ADAPTER.validate_python(raw)
+    except ValidationError as error:
+        where, message = validation_field(error, raw)
+        where = where or "operation"
+        value = raw.get("request_id") if isinstance(raw, dict) else None
+        request_id = value if isinstance(value, str) and value else "unknown"
+        return control_error(request_id, "REQUEST_REJECTED", f"{where}: {message}", field=where)
 
 
 def control_error(

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from ..errors import ThreadlineError
 from ..events import delivered_message
 from ..records import Part
+from .control_schema import validation_field
 from .harness import HeadlessAgentHarness
 
 _log = logging.getLogger("threadline.harness.runner")
@@ -105,7 +106,6 @@ HeadlessAgentRunnerControl = Annotated[
     Field(discriminator="type"),
 ]
 _CONTROL: TypeAdapter[HeadlessAgentRunnerControl] = TypeAdapter(HeadlessAgentRunnerControl)
-_TAGS = ("submit", "interrupt", "snapshot", "pending-approvals", "respond-approval", "close")
 
 
 def _json(value: Any) -> Any:
@@ -136,15 +136,13 @@ def _parse(line: Any) -> HeadlessAgentRunnerControl:
             raise _Refused("REQUEST_REJECTED", f"a line is one JSON object: {error}") from None
     if not isinstance(line, Mapping):
         raise _Refused("REQUEST_REJECTED", "a line is one JSON object with a 'type'", "type")
+    data = dict(line)
     try:
-        return _CONTROL.validate_python(dict(line))
+        return _CONTROL.validate_python(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        location = [str(p) for p in first["loc"]]
-        if location and location[0] in _TAGS:
-            location = location[1:]
-        where = ".".join(location) or "type"
-        raise _Refused("REQUEST_REJECTED", f"{where}: {first['msg']}", where) from None
+        where, message = validation_field(error, data)
+        where = where or "type"
+        raise _Refused("REQUEST_REJECTED", f"{where}: {message}", where) from None
 
 
 def _request_id(line: Any) -> str | None:

@@ -1,0 +1,300 @@
+"""``list_directory`` and ``glob``, and the coverage report and output budget they share with search.
+
+Discovery never follows a symlink and never hides what it skipped: excluded directories are listed and
+marked (``excluded: true``), entries the host's path policy refuses are named in ``denied`` (bounded, with
+``denied_truncated``), skipped symlinks are counted, and ``coverage.complete`` / ``coverage.reasons`` tell a
+full empty result from partial work. Reasons: ``denied``, ``unreadable``, ``max-list-entries``,
+``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
+``max-search-results``, ``max-search-bytes``, ``max-search-output-bytes``, ``max-read-bytes``,
+``invalid-utf8``, ``binary``, ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..tools import AgentTool, define_agent_tool
+from .globs import GlobPattern, compile_glob
+from .policy import CodingConfig, authorize, authorize_path_chain, path_admitted, refuse, workspace_refusals
+from .workspace import (
+    WalkLimits,
+    WalkStats,
+    WorkspaceError,
+    WorkspacePathError,
+    join_segments,
+    scan_directory,
+)
+
+
+def json_size(value: Any) -> int:
+    """Bytes of ``value`` serialized as compact UTF-8 JSON."""
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+class OutputBudget:
+    """The serialized-output ceiling of one discovery result: items are admitted while the whole result
+    (envelope included) stays within ``max_bytes``."""
+
+    def __init__(self, max_bytes: int, envelope: dict[str, Any]) -> None:
+        # room for the coverage counters, denied/errors lists and a hint, measured once
+        self.remaining = max_bytes - json_size(envelope) - 64
+        self.exhausted = False
+
+    def take(self, item: Any) -> bool:
+        cost = json_size(item) + 1
+        if self.exhausted or cost > self.remaining:
+            self.exhausted = True
+            return False
+        self.remaining -= cost
+        return True
+
+
+def _identity_of(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def walk_limits(config: CodingConfig, started: float) -> WalkLimits:
+    limits = config.limits
+    return WalkLimits(
+        max_files=limits.max_search_files,
+        max_depth=limits.max_search_depth,
+        max_directories=limits.max_search_directories,
+        max_entries=limits.max_search_entries,
+        deadline=started + limits.search_timeout,
+    )
+
+
+def new_stats(config: CodingConfig) -> WalkStats:
+    cap = config.limits.max_search_results
+    return WalkStats(max_denied=cap, max_errors=cap)
+
+
+def coverage(
+    stats: WalkStats, *, started: float, scope: dict[str, Any], content_bytes: int | None = None
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "complete": not stats.reasons,
+        "reasons": list(stats.reasons),
+        "scope": scope,
+        "directories": stats.directories,
+        "entries": stats.entries,
+        "elapsed_ms": round((time.monotonic() - started) * 1000),
+    }
+    if content_bytes is not None:
+        report["bytes"] = content_bytes
+    return report
+
+
+def diagnostics(stats: WalkStats) -> dict[str, Any]:
+    """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any."""
+    out: dict[str, Any] = {}
+    if stats.denied_count:
+        out["denied"] = list(stats.denied)
+        out["denied_truncated"] = stats.denied_truncated
+    if stats.errors_count:
+        out["errors"] = list(stats.errors)
+        out["errors_truncated"] = stats.errors_truncated
+    return out
+
+
+def scope_of(config: CodingConfig, *, base: str, symlinks: str, include: str | None = None) -> dict[str, Any]:
+    scope: dict[str, Any] = {"base": base, "excluded_directories": sorted(config.excluded), "symlinks": symlinks}
+    if include is not None:
+        scope["include"] = include
+    return scope
+
+
+def excluded_by(config: CodingConfig) -> Any:
+    excluded = config.excluded
+    return lambda relative, name: name in excluded
+
+
+async def open_discovery_base(config: CodingConfig, path: str) -> tuple[tuple[str, ...], int]:
+    """Parse and open a discovery base directory (``.`` allowed), then ask the path policy about it
+    (about ``.`` first when rooted there). Returns the segments and an open descriptor."""
+    workspace = config.workspace
+    segments = workspace.parse(path, allow_root=True, max_path_bytes=config.limits.max_path_bytes)
+    try:
+        fd = workspace.open_directory(segments)
+    except WorkspacePathError:
+        raise
+    except WorkspaceError:
+        await authorize_path_chain(config, segments, root=not segments)
+        raise
+    try:
+        await authorize_path_chain(config, segments, root=not segments)
+    except BaseException:
+        os.close(fd)
+        raise
+    return segments, fd
+
+
+class ListDirectoryArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(".", description="Workspace-relative directory ('.' is the root).")
+
+
+class GlobArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pattern: str = Field(
+        description="Anchored pattern relative to path: '**' spans directories, '*' and '?' stay within one name."
+    )
+    path: str = Field(".", description="Workspace-relative directory to search under ('.' is the root).")
+
+
+def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
+    limits = config.limits
+
+    @define_agent_tool(
+        name="list_directory",
+        args=ListDirectoryArgs,
+        description=(
+            "List the direct entries of one workspace directory (name, kind, bytes). Directories the search "
+            "tools skip are marked excluded; entries the host denies are named in denied."
+        ),
+    )
+    async def list_directory(path: str = ".") -> dict[str, Any]:
+        started = time.monotonic()
+        async with workspace_refusals():
+            segments, fd = await open_discovery_base(config, path)
+            relative = join_segments(segments)
+            try:
+                await authorize(config, {"operation": "list", "path": relative})
+                if config.workspace.directory_identity(segments) != _identity_of(fd):
+                    refuse(
+                        "CONFLICT",
+                        "this directory was replaced while the listing was being authorized",
+                        path=relative,
+                        hint="call list_directory again",
+                    )
+                cap = min(limits.max_list_entries, limits.max_search_entries)
+                stats = new_stats(config)
+                stats.directories = 1
+                entries, truncated = scan_directory(fd, cap)
+                stats.entries = len(entries)
+                if truncated:
+                    stats.reason("max-list-entries")
+                envelope = {
+                    "path": relative,
+                    "entries": [],
+                    "truncated": False,
+                    "coverage": coverage(
+                        stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")
+                    ),
+                }
+                budget = OutputBudget(limits.max_search_output_bytes, envelope)
+                listed: list[dict[str, Any]] = []
+                for entry in entries:
+                    child = f"{relative}/{entry.name}" if segments else entry.name
+                    if not await path_admitted(config, child):
+                        stats.deny(child, entry.kind)
+                        continue
+                    item: dict[str, Any] = {"name": entry.name, "kind": entry.kind}
+                    if entry.kind == "file":
+                        with contextlib.suppress(OSError):
+                            item["bytes"] = entry.entry.stat(follow_symlinks=False).st_size
+                    elif entry.kind == "directory" and entry.name in config.excluded:
+                        item["excluded"] = True
+                    if not budget.take(item):
+                        stats.reason("max-search-output-bytes")
+                        break
+                    listed.append(item)
+            finally:
+                os.close(fd)
+        return {
+            "path": relative,
+            "entries": listed,
+            "truncated": bool(stats.reasons and set(stats.reasons) - {"denied"}),
+            **diagnostics(stats),
+            "coverage": coverage(stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")),
+        }
+
+    @define_agent_tool(
+        name="glob",
+        args=GlobArgs,
+        description=(
+            "Find workspace files whose path (relative to path) matches an anchored pattern such as "
+            "'**/*.py' or 'src/*.ts'. Symlinks and excluded directories are skipped and counted."
+        ),
+    )
+    async def glob(pattern: str, path: str = ".") -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            compiled = compile_glob(pattern)
+        except ValueError as error:
+            refuse("BAD_REQUEST", str(error), hint="use '**', '*' and '?' in a relative '/'-separated pattern")
+        async with workspace_refusals():
+            segments = config.workspace.parse(path, allow_root=True, max_path_bytes=limits.max_path_bytes)
+            relative = join_segments(segments)
+            scope = scope_of(config, base=relative, symlinks="skipped")
+            empty = {
+                "paths": [],
+                "truncated": False,
+                "result_truncated": False,
+                "skipped_directories": 0,
+                "skipped_symlinks": 0,
+                "scanned_files": 0,
+                "coverage": coverage(new_stats(config), started=started, scope={**scope, "pattern": pattern}),
+            }
+            budget = OutputBudget(limits.max_search_output_bytes, empty)
+            if budget.remaining < 0:
+                refuse(
+                    "BAD_REQUEST",
+                    "the smallest result for this pattern would not fit the output limit",
+                    hint="use a shorter pattern",
+                )
+            segments, fd = await open_discovery_base(config, path)
+            os.close(fd)
+            await authorize(config, {"operation": "glob", "pattern": pattern, "path": relative})
+            stats = new_stats(config)
+            paths, result_truncated = await _glob_walk(config, compiled, segments, stats, budget, started)
+        return {
+            "paths": paths,
+            "truncated": bool(set(stats.reasons) - {"max-search-results"}),
+            "result_truncated": result_truncated,
+            "skipped_directories": stats.excluded_directories,
+            "skipped_symlinks": stats.skipped_symlinks,
+            "scanned_files": stats.files,
+            **diagnostics(stats),
+            "coverage": coverage(stats, started=started, scope={**scope, "pattern": pattern}),
+        }
+
+    return [list_directory, glob]
+
+
+async def _glob_walk(
+    config: CodingConfig,
+    compiled: GlobPattern,
+    base: tuple[str, ...],
+    stats: WalkStats,
+    budget: OutputBudget,
+    started: float,
+) -> tuple[list[str], bool]:
+    cut = len("/".join(base)) + 1 if base else 0
+    paths: list[str] = []
+    walk = config.workspace.walk(
+        base,
+        limits=walk_limits(config, started),
+        stats=stats,
+        exclude=excluded_by(config),
+        prune=lambda relative: compiled.may_contain(relative[cut:]),
+        include=lambda relative: compiled.matches(relative[cut:]),
+        admit=(lambda relative, kind: path_admitted(config, relative)) if config.authorize_path else None,
+    )
+    async with contextlib.aclosing(walk):
+        async for entry in walk:
+            if not budget.take(entry.path):
+                stats.reason("max-search-output-bytes")
+                return paths, True
+            paths.append(entry.path)
+            if len(paths) >= config.limits.max_search_results:
+                stats.reason("max-search-results")  # conservatively: no lookahead match is read
+                return paths, True
+    return paths, False

@@ -1,0 +1,354 @@
+"""``search_files``: bounded path or content search over the workspace, every regex in linear time.
+
+Regular expressions run on RE2 (the ``google-re2`` package, ``threadline[coding]``): a pattern costs time
+linear in the text whatever its shape, so ``(a+)+$`` on a long line costs what ``a+`` does. That is where
+threadline does better than the seeds, which run most lines on a backtracking engine and skip lines over
+8,192 bytes: here every line is searched, whatever its length; only the *returned* text of a line is cut at
+8,192 bytes (on a character boundary, with ``text_truncated``). Constructs RE2 cannot run in linear time —
+backreferences and lookaround — refuse before any I/O with a hint. Patterns use the usual syntax (groups,
+alternation, classes, ``\\b``, quantifiers, ``(?i)``-style flags); ``^``/``$`` match at line boundaries and
+no match spans a newline.
+
+A content search reads one file at a time, each whole and at most ``max_read_bytes`` (a larger file is
+skipped: reason ``max-read-bytes``), strict UTF-8 (else skipped: ``invalid-utf8``; a NUL in the first 64 KiB
+marks a binary file, skipped unread beyond that block: ``binary``), within the aggregate
+``max_search_bytes``. The walk, its budgets and the coverage report are the discovery tools'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..tools import AgentTool, define_agent_tool
+
+try:
+    import re2
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "threadline's coding search needs google-re2; install it with: pip install 'threadline[coding]'"
+    ) from error
+
+from .discovery import (
+    OutputBudget,
+    coverage,
+    diagnostics,
+    excluded_by,
+    new_stats,
+    open_discovery_base,
+    scope_of,
+    walk_limits,
+)
+from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob
+from .policy import CodingConfig, authorize, path_admitted, refuse, workspace_refusals
+from .workspace import WalkStats, WorkspaceError
+
+__all__ = ("MAX_LINE_BYTES", "MAX_QUERY_CHARS", "compile_search_regex", "create_search_tools")
+
+MAX_QUERY_CHARS = 8_192
+MAX_LINE_BYTES = 8_192
+MAX_CONTEXT_LINES = 10
+_BINARY_PROBE = 65_536
+
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def _unbounded_construct(pattern: str) -> str | None:
+    """The first construct RE2 cannot run in linear time (a backreference or lookaround), else None."""
+    index, in_class = 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            following = pattern[index + 1 : index + 2]
+            if not in_class and (following in tuple("123456789") or following == "k"):
+                return "backreference"
+            index += 2
+            continue
+        if in_class:
+            if char == "]":
+                in_class = False
+        elif char == "[":
+            in_class = True
+        elif pattern.startswith(_LOOKAROUND, index):
+            return "lookaround"
+        index += 1
+    return None
+
+
+def compile_search_regex(pattern: str) -> Any:
+    """Compile ``pattern`` for line-wise search on UTF-8 bytes; refuses ``BAD_REQUEST`` (before any I/O)
+    for backreferences, lookaround and invalid syntax."""
+    construct = _unbounded_construct(pattern)
+    if construct is not None:
+        refuse(
+            "BAD_REQUEST",
+            f"this pattern uses a {construct}, which search does not run",
+            hint=(
+                "every search runs in linear time, which rules out backreferences and lookaround; rewrite the "
+                "pattern without them, or search for a literal with regex=false"
+            ),
+            pattern=pattern,
+        )
+    options = re2.Options()
+    options.never_nl = True  # a match never spans lines
+    options.never_capture = True
+    options.log_errors = False
+    try:
+        return re2.compile(("(?m)" + pattern).encode(), options)
+    except re2.error as error:
+        refuse(
+            "BAD_REQUEST",
+            "this pattern is not a valid regular expression",
+            hint="fix the expression, or pass regex=false to search for the text literally",
+            pattern=pattern,
+            reason=_reason(error),
+        )
+
+
+def _reason(error: Exception) -> str:
+    first = error.args[0] if error.args else error
+    text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+    return text[:200]
+
+
+def _cut_line(line: bytes) -> tuple[str, bool]:
+    if len(line) <= MAX_LINE_BYTES:
+        return line.decode("utf-8", "replace"), False
+    cut = MAX_LINE_BYTES
+    while cut > 0 and line[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return line[:cut].decode("utf-8", "replace"), True
+
+
+def _lines_before(data: bytes, line_start: int, count: int) -> list[str]:
+    lines: list[str] = []
+    end = line_start - 1  # the newline ending the previous line
+    while count > 0 and end >= 0:
+        start = data.rfind(b"\n", 0, end) + 1
+        lines.append(_cut_line(data[start:end])[0])
+        end = start - 1
+        count -= 1
+    lines.reverse()
+    return lines
+
+
+def _lines_after(data: bytes, line_end: int, count: int) -> list[str]:
+    lines: list[str] = []
+    start = line_end + 1
+    while count > 0 and start <= len(data) and line_end < len(data):
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = len(data)
+        if start == end == len(data):
+            break
+        lines.append(_cut_line(data[start:end])[0])
+        start = end + 1
+        line_end = end
+        count -= 1
+    return lines
+
+
+class SearchFilesArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Text (or regex) to find.")
+    mode: Literal["content", "path"] = Field("content", description="Search file contents, or file paths.")
+    regex: bool = Field(False, description="Treat query as a regular expression (linear-time RE2 syntax).")
+    context: int = Field(0, ge=0, le=MAX_CONTEXT_LINES, description="Lines of context around each content match.")
+    include: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_GLOB_PATTERN_CHARS,
+        description=(
+            "Anchored pattern matched against the whole workspace-relative path. '*' does not cross '/'; "
+            "use '**/*.py' for files in subdirectories."
+        ),
+    )
+
+
+def create_search_tools(config: CodingConfig) -> list[AgentTool]:
+    limits = config.limits
+
+    @define_agent_tool(
+        name="search_files",
+        args=SearchFilesArgs,
+        description=(
+            "Search UTF-8 file contents (or paths) under the workspace for a literal or a regular expression; "
+            "returns path, line and text per match, and coverage telling a complete empty result from partial work."
+        ),
+    )
+    async def search_files(
+        query: str,
+        mode: Literal["content", "path"] = "content",
+        regex: bool = False,
+        context: int = 0,
+        include: str | None = None,
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        matcher = compile_search_regex(query) if regex else None
+        included = None
+        if include is not None:
+            try:
+                included = compile_glob(include)
+            except ValueError as error:
+                refuse("BAD_REQUEST", f"include: {error}", hint="use '**', '*' and '?' in a relative pattern")
+        scope = scope_of(config, base=".", symlinks="skipped", include=include)
+        empty = {
+            "matches": [],
+            "truncated": False,
+            "scanned_files": 0,
+            "skipped_directories": 0,
+            "skipped_symlinks": 0,
+            "coverage": coverage(new_stats(config), started=started, scope=scope, content_bytes=0),
+        }
+        budget = OutputBudget(limits.max_search_output_bytes, empty)
+        if budget.remaining < 0:
+            refuse(
+                "BAD_REQUEST",
+                "the smallest result for this search would not fit the output limit",
+                hint="use a shorter include pattern",
+            )
+        async with workspace_refusals():
+            await authorize(config, {"operation": "search", "query": query, "mode": mode})
+            segments, fd = await open_discovery_base(config, ".")
+            os.close(fd)
+        stats = new_stats(config)
+        run = _Search(config, stats, budget, query.encode(), matcher, context, mode)
+        walk = config.workspace.walk(
+            segments,
+            limits=walk_limits(config, started),
+            stats=stats,
+            exclude=excluded_by(config),
+            prune=included.may_contain if included is not None else None,
+            include=(lambda relative: included.matches(relative)) if included is not None else None,
+            admit=(lambda relative, kind: path_admitted(config, relative)) if config.authorize_path else None,
+        )
+        async with contextlib.aclosing(walk):
+            async for entry in walk:
+                if not run.visit(entry):
+                    break
+        result: dict[str, Any] = {
+            "matches": run.matches,
+            "truncated": bool(stats.reasons),
+            "scanned_files": run.scanned,
+            "skipped_directories": stats.excluded_directories,
+            "skipped_symlinks": stats.skipped_symlinks,
+            **diagnostics(stats),
+            "coverage": coverage(stats, started=started, scope=scope, content_bytes=run.content_bytes),
+        }
+        if include is not None and run.scanned == 0 and stats.files == 0:
+            result["hint"] = (
+                f"the anchored include pattern {include!r} admitted no file; '*' does not cross '/', so use a "
+                "pattern such as '**/*.py' for files in subdirectories"
+            )
+        return result
+
+    return [search_files]
+
+
+class _Search:
+    """The per-call state of one content or path search (one file at a time)."""
+
+    def __init__(
+        self,
+        config: CodingConfig,
+        stats: WalkStats,
+        budget: OutputBudget,
+        literal: bytes,
+        matcher: Any,
+        context: int,
+        mode: str,
+    ) -> None:
+        self.limits = config.limits
+        self.stats = stats
+        self.budget = budget
+        self.literal = literal
+        self.matcher = matcher
+        self.context = context
+        self.mode = mode
+        self.matches: list[dict[str, Any]] = []
+        self.scanned = 0
+        self.content_bytes = 0
+
+    def _find(self, data: bytes, position: int) -> int:
+        if self.matcher is None:
+            return data.find(self.literal, position)
+        found = self.matcher.search(data, position)
+        return -1 if found is None else found.start()
+
+    def _add(self, item: dict[str, Any]) -> bool:
+        if not self.budget.take(item):
+            self.stats.reason("max-search-output-bytes")
+            return False
+        self.matches.append(item)
+        if len(self.matches) >= self.limits.max_search_results:
+            self.stats.reason("max-search-results")  # conservatively partial: no lookahead match is read
+            return False
+        return True
+
+    def visit(self, entry: Any) -> bool:
+        """Search one file; False stops the search."""
+        if self.mode == "path":
+            self.scanned += 1
+            if self._find(entry.path.encode(), 0) >= 0:
+                return self._add({"path": entry.path})
+            return True
+        try:
+            opened = entry.open()
+        except WorkspaceError as error:
+            self.stats.error(entry.path, "open", type(error).__name__.removeprefix("Workspace").removesuffix("Error"))
+            return True
+        with opened:
+            if opened.size > self.limits.max_read_bytes:
+                self.stats.reason("max-read-bytes")
+                return True
+            if self.content_bytes + opened.size > self.limits.max_search_bytes:
+                self.stats.reason("max-search-bytes")
+                return False
+            try:
+                # a NUL in the first block marks a binary file: skipped (reason "binary") without reading on
+                data = opened.read(0, min(opened.size, _BINARY_PROBE))
+                if b"\x00" in data:
+                    self.content_bytes += len(data)
+                    self.stats.reason("binary")
+                    return True
+                if opened.size > len(data):
+                    data += opened.read(len(data), opened.size - len(data))
+            except OSError:
+                self.stats.error(entry.path, "read", "EIO")
+                return True
+        self.content_bytes += len(data)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.stats.reason("invalid-utf8")
+            return True
+        self.scanned += 1
+        return self._search_content(entry.path, data)
+
+    def _search_content(self, path: str, data: bytes) -> bool:
+        position, line_number, counted = 0, 1, 0
+        while position <= len(data):
+            found = self._find(data, position)
+            if found < 0:
+                return True
+            line_start = data.rfind(b"\n", 0, found) + 1
+            line_end = data.find(b"\n", found)
+            if line_end < 0:
+                line_end = len(data)
+            line_number += data.count(b"\n", counted, line_start)
+            counted = line_start
+            text, cut = _cut_line(data[line_start:line_end])
+            item: dict[str, Any] = {"path": path, "line": line_number, "text": text}
+            if cut:
+                item["text_truncated"] = True
+            if self.context:
+                item["before"] = _lines_before(data, line_start, self.context)
+                item["after"] = _lines_after(data, line_end, self.context)
+            if not self._add(item):
+                return False
+            position = line_end + 1
+        return True

@@ -1,0 +1,173 @@
+"""list_directory, glob and search_files: shapes, coverage, budgets, denial and RE2 refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from threadline.coding import AgentCodingToolLimits
+
+
+async def test_list_directory_marks_excluded_lists_symlinks_and_names_denied(make_tools, workspace: Path) -> None:
+    (workspace / "node_modules").mkdir()
+    (workspace / ".env").write_text("TOKEN=1")
+    (workspace / "escape").symlink_to(workspace.parent / "outside")
+    tools = make_tools(deny=(".env",))
+    result = await tools.call("list_directory")
+    assert result["path"] == "."
+    assert result["entries"] == [
+        {"name": "README.md", "kind": "file", "bytes": len("# Project\n\nSay hello.\n")},
+        {"name": "escape", "kind": "symlink"},
+        {"name": "node_modules", "kind": "directory", "excluded": True},
+        {"name": "src", "kind": "directory"},
+    ]
+    assert result["denied"] == [{"path": ".env", "kind": "file"}] and result["denied_truncated"] is False
+    assert result["coverage"]["complete"] is False and result["coverage"]["reasons"] == ["denied"]
+    assert result["coverage"]["scope"]["symlinks"] == "listed"
+    assert tools.paths[0] == "."  # discovery rooted at '.' asks about '.'
+    assert tools.asked == [{"operation": "list", "path": "."}]
+    sub = await tools.call("list_directory", path="src")
+    assert [e["name"] for e in sub["entries"]] == ["app.py", "util.py"]
+    assert sub["coverage"]["complete"] is True
+    assert (await tools.envelope("list_directory", path="missing"))["error"] == "NOT_FOUND"
+    assert (await tools.envelope("list_directory", path="README.md"))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("list_directory", path="escape"))["error"] == "FORBIDDEN"
+
+
+async def test_list_directory_caps_entries(make_tools, workspace: Path) -> None:
+    for n in range(30):
+        (workspace / "src" / f"m{n:02}.py").write_text("x")
+    tools = make_tools(limits=AgentCodingToolLimits(max_list_entries=10))
+    result = await tools.call("list_directory", path="src")
+    assert len(result["entries"]) == 10 and result["truncated"] is True
+    assert result["coverage"]["reasons"] == ["max-list-entries"]
+
+
+async def test_glob_matches_anchored_patterns_and_prunes_before_policy(make_tools, workspace: Path) -> None:
+    (workspace / "docs").mkdir()
+    (workspace / "docs" / "guide.py").write_text("x")
+    (workspace / "src" / "deep" / "er").mkdir(parents=True)
+    (workspace / "src" / "deep" / "er" / "x.py").write_text("x")
+    (workspace / "node_modules" / "m").mkdir(parents=True)
+    (workspace / "node_modules" / "m" / "i.py").write_text("x")
+    tools = make_tools()
+    result = await tools.call("glob", pattern="src/**/*.py")
+    assert result["paths"] == ["src/app.py", "src/deep/er/x.py", "src/util.py"]
+    assert result["coverage"]["complete"] is True and result["result_truncated"] is False
+    assert "docs" not in tools.paths  # an incompatible prefix is pruned before the policy is asked
+    assert result["skipped_directories"] == 0
+    star = await tools.call("glob", pattern="*.py")
+    assert star["paths"] == []  # '*' does not cross '/'
+    everywhere = await tools.call("glob", pattern="**/*.py")
+    assert everywhere["skipped_directories"] == 1  # node_modules: excluded, counted
+    assert "node_modules/m/i.py" not in everywhere["paths"]
+    scoped = await tools.call("glob", pattern="*.py", path="src")
+    assert scoped["paths"] == ["src/app.py", "src/util.py"]
+    assert tools.asked[-1] == {"operation": "glob", "pattern": "*.py", "path": "src"}
+    bad = await tools.envelope("glob", pattern="../*")
+    assert bad["error"] == "BAD_REQUEST"
+
+
+async def test_glob_result_ceiling_is_conservative(make_tools, workspace: Path) -> None:
+    for n in range(5):
+        (workspace / f"f{n}.txt").write_text("x")
+    tools = make_tools(limits=AgentCodingToolLimits(max_search_results=5))
+    result = await tools.call("glob", pattern="*.txt")
+    assert len(result["paths"]) == 5
+    assert result["result_truncated"] is True and result["coverage"]["reasons"] == ["max-search-results"]
+
+
+async def test_search_literal_regex_and_context(make_tools, workspace: Path) -> None:
+    tools = make_tools()
+    literal = await tools.call("search_files", query="hello")
+    assert [(m["path"], m["line"], m["text"]) for m in literal["matches"]] == [
+        ("README.md", 3, "Say hello."),
+        ("src/app.py", 2, "    return 'hello'"),
+    ]
+    assert literal["coverage"]["complete"] is True and literal["scanned_files"] == 3
+    assert tools.asked[-1] == {"operation": "search", "query": "hello", "mode": "content"}
+    regex = await tools.call("search_files", query=r"^def \w+\(", regex=True, context=1)
+    assert regex["matches"] == [
+        {"path": "src/app.py", "line": 1, "text": "def main():", "before": [], "after": ["    return 'hello'"]}
+    ]
+    paths = await tools.call("search_files", query=r"util\.py$", regex=True, mode="path")
+    assert paths["matches"] == [{"path": "src/util.py"}]
+
+
+async def test_search_include_is_anchored_and_hints(make_tools) -> None:
+    tools = make_tools()
+    nothing = await tools.call("search_files", query="import", include="*.py")
+    assert nothing["matches"] == [] and "'**/*.py'" in nothing["hint"]
+    found = await tools.call("search_files", query="import", include="**/*.py")
+    assert [m["path"] for m in found["matches"]] == ["src/util.py"]
+
+
+async def test_search_refuses_unbounded_constructs_before_any_io(make_tools) -> None:
+    tools = make_tools()
+    for pattern in (r"(a)\1", r"foo(?=bar)", r"(?<!x)y", r"(?<name>a)\k<name>"):
+        envelope = await tools.envelope("search_files", query=pattern, regex=True)
+        assert envelope["error"] == "BAD_REQUEST", pattern
+        assert "linear time" in envelope["_hint"]
+    assert tools.asked == [] and tools.paths == []
+    invalid = await tools.envelope("search_files", query="(unclosed", regex=True)
+    assert invalid["error"] == "BAD_REQUEST" and "regex=false" in invalid["_hint"]
+    # inside a class or escaped, those characters are ordinary
+    ok = await tools.call("search_files", query=r"[(?=]x|\\1", regex=True)
+    assert ok["coverage"]["complete"] is True
+
+
+async def test_pathological_regex_on_a_long_line_finishes(make_tools, workspace: Path) -> None:
+    (workspace / "long.txt").write_text("a" * 200_000 + "b\n")
+    tools = make_tools()
+    result = await asyncio.wait_for(tools.call("search_files", query="(a+)+$", regex=True), timeout=10)
+    assert result["matches"] == [] and result["coverage"]["complete"] is True
+    hit = await tools.call("search_files", query="(a+)+b$", regex=True)
+    assert hit["matches"][0]["path"] == "long.txt" and hit["matches"][0]["text_truncated"] is True
+    assert len(hit["matches"][0]["text"].encode()) <= 8192
+
+
+async def test_search_coverage_reasons(make_tools, workspace: Path) -> None:
+    (workspace / "blob.bin").write_bytes(b"hello \xff\xfe")
+    (workspace / "nul.bin").write_bytes(b"hello\x00")
+    (workspace / "big.txt").write_text("hello\n" * 100)
+    tools = make_tools(limits=AgentCodingToolLimits(max_read_bytes=200), deny=("src/util.py",))
+    result = await tools.call("search_files", query="hello")
+    assert [m["path"] for m in result["matches"]] == ["README.md", "src/app.py"]
+    assert set(result["coverage"]["reasons"]) == {"invalid-utf8", "binary", "max-read-bytes", "denied"}
+    assert result["coverage"]["complete"] is False and result["truncated"] is True
+    assert result["denied"] == [{"path": "src/util.py", "kind": "file"}]
+
+
+async def test_search_results_and_output_ceilings(make_tools, workspace: Path) -> None:
+    (workspace / "many.txt").write_text("needle " + "x" * 200 + "\n" * 1 + ("needle\n" * 300))
+    limited = make_tools(limits=AgentCodingToolLimits(max_search_results=7))
+    result = await limited.call("search_files", query="needle")
+    assert len(result["matches"]) == 7 and "max-search-results" in result["coverage"]["reasons"]
+    tight = make_tools(limits=AgentCodingToolLimits(max_search_output_bytes=2048))
+    bounded = await tight.call("search_files", query="needle")
+    assert len(json.dumps(bounded, ensure_ascii=False, separators=(",", ":")).encode()) <= 2048
+    assert "max-search-output-bytes" in bounded["coverage"]["reasons"]
+    long_include = "a" * 4000
+    refused = await tight.envelope("search_files", query="x", include=long_include)
+    assert refused["error"] == "BAD_REQUEST" and tight.asked == [
+        {"operation": "search", "query": "needle", "mode": "content"}
+    ]
+
+
+async def test_discovery_budgets_stop_with_reasons(make_tools, workspace: Path) -> None:
+    for d in range(6):
+        (workspace / f"d{d}" / "e").mkdir(parents=True)
+        (workspace / f"d{d}" / "e" / "f.txt").write_text("hello")
+    checks = {
+        "max-search-directories": AgentCodingToolLimits(max_search_directories=3),
+        "max-search-depth": AgentCodingToolLimits(max_search_depth=1),
+        "max-search-files": AgentCodingToolLimits(max_search_files=2),
+        "max-search-entries": AgentCodingToolLimits(max_search_entries=5),
+        "max-search-bytes": AgentCodingToolLimits(max_search_bytes=30),
+    }
+    for reason, limits in checks.items():
+        tools = make_tools(limits=limits)
+        result = await tools.call("search_files", query="hello")
+        assert reason in result["coverage"]["reasons"], reason
+        assert result["coverage"]["complete"] is False

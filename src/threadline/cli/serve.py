@@ -43,8 +43,16 @@ def _harness(store: Any, model: Any, *, tools: Sequence[Any], resources: Any = N
         models={"preflight": lambda: registry.preflight("model"), "resolve": lambda: registry.resolve("model")},
         resources=resources,
         tools=list(tools),
-        runs={"resolve_context": lambda _run: CliContext()},
+        runs={"resolve_context": lambda _run: CliContext(), "input_policy": input_policy},
     )
+
+
+def input_policy(raw: Any) -> str:
+    """The policy an input asks for in ``input_metadata.policy`` (the web inspector's policy selector),
+    else ``queue``; an unknown name is refused by the runtime, naming the policies."""
+    metadata = raw.input_metadata
+    policy = metadata.get("policy") if isinstance(metadata, dict) else None
+    return policy if isinstance(policy, str) else "queue"
 
 
 async def _stdin_lines() -> AsyncIterator[bytes]:

@@ -82,12 +82,15 @@ def create_agent_harness_app(
     max_pending_attachments: int = 32,
     max_pending_events: int = 128,
     routes: Sequence[BaseRoute] = (),
+    inspector: bool = True,
 ) -> Starlette:
     """The ASGI app serving ``harness``. ``authenticate`` and ``cors_origins`` are shortcuts for the same
     fields of ``settings``. A ``control`` server may be shared with other transports; otherwise one is
     created with ``max_pending_attachments`` and ``max_pending_events`` and closed when the app shuts down.
-    ``routes`` are added after the built-in ones. Build it inside the running event loop that serves it."""
+    ``routes`` are added after the built-in ones. ``inspector`` serves the web inspector at ``/``
+    (:mod:`threadline.server.inspector`). Build it inside the running event loop that serves it."""
     from . import control_socket, conversations, probes, sse, vercel
+    from .inspector import routes as inspector_routes
 
     if settings is None:
         settings = AgentServerSettings(authenticate=authenticate, cors_origins=tuple(cors_origins))
@@ -127,6 +130,7 @@ def create_agent_harness_app(
             *control_socket.routes(),
             *sse.routes(),
             *vercel.routes(settings.chat_path),
+            *(inspector_routes() if inspector else ()),
             *routes,
         ],
         middleware=middleware,

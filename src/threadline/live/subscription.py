@@ -173,7 +173,10 @@ class AgentLiveSubscription:
             return
         with contextlib.suppress(Exception):
             followed = self._follow(event.conversation_id)
-            followed.cursor = advance_agent_runtime_event_cursor(followed.cursor, event)[0]
+            cursor = advance_agent_runtime_event_cursor(followed.cursor, event)[0]
+            if event.type == "terminal":  # its transient position is no longer needed: stay bounded
+                cursor = cursor.model_copy(update={"runs": {k: v for k, v in cursor.runs.items() if k != event.run_id}})
+            followed.cursor = cursor
 
     def _follow(self, conversation_id: str) -> _Followed:
         followed = self._followed.get(conversation_id)

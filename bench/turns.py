@@ -36,7 +36,8 @@ adds the per-operation breakdown, with each call's round trip as the event loop 
 thread's time inside transactions (timed through two private hooks; a frame of overhead per call).
 
 ``--turns-500`` (on by default) then runs 500 real turns in a fresh database, closes the store,
-checkpoints the WAL and prints the file size (DESIGN §5: under 5 MB).
+checkpoints the WAL and prints the file size (DESIGN §5: under 5 MB, the event ledger included) and
+``ledger_bytes``, the part of it the ledger's table and indexes take.
 
 ``--profile`` runs cProfile over a second, untimed window at the largest size (``--profile-size`` picks
 another), so the printed medians are never taken under the profiler: the event-loop thread (top 25 by
@@ -160,6 +161,23 @@ def seeded_turn(cid: str, k: int) -> list[dict[str, Any]]:
 
 def db_bytes(path: Path) -> int:
     return sum(os.path.getsize(p) for p in (path, Path(f"{path}-wal")) if p.exists())
+
+
+def ledger_bytes(path: Path) -> int:
+    """The bytes the event ledger occupies in the file (its table and indexes, from ``dbstat``), or the
+    stored size of its bodies when this SQLite has no ``dbstat``; 0 before the ledger existed."""
+    conn = sqlite3.connect(path)
+    try:
+        names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE name GLOB 'threadline_events*'")]
+        if not names:
+            return 0
+        try:
+            marks = ", ".join("?" * len(names))
+            return int(conn.execute(f"SELECT sum(pgsize) FROM dbstat WHERE name IN ({marks})", names).fetchone()[0])
+        except sqlite3.OperationalError:
+            return int(conn.execute("SELECT coalesce(sum(length(body)), 0) FROM threadline_events").fetchone()[0])
+    finally:
+        conn.close()
 
 
 def checkpoint(path: Path) -> None:
@@ -481,7 +499,8 @@ async def size_run(turns: int, tmp: Path) -> None:
     tail = times[-20:]
     print(
         f"system=threadline store=sqlite messages={conv.messages} per_turn_ms={statistics.median(tail) / 1e6:.2f} "
-        f"db_bytes={db_bytes(path)} turns={turns} history=real model={MODEL_KIND} total_s={sum(times) / 1e9:.1f} "
+        f"db_bytes={db_bytes(path)} ledger_bytes={ledger_bytes(path)} turns={turns} history=real "
+        f"model={MODEL_KIND} total_s={sum(times) / 1e9:.1f} "
         f"first20_ms={statistics.median(times[:20]) / 1e6:.2f} additions_s={speed:.2f} "
         "(per_turn_ms: median of the last 20 turns)",
         flush=True,

@@ -20,7 +20,10 @@ Failures are classified by exception type, never by message text. The tree::
     │   ├── AgentStoreBusyError           another connection holds the write lock; retry
     │   ├── AgentStoreUnavailableError    the database cannot be reached or was closed
     │   ├── AgentStoreSchemaError         the database schema is unknown, partial or unsupported
-    │   └── AgentStoreCorruptRecordError  a stored row is malformed or foreign
+    │   ├── AgentStoreCorruptRecordError  a stored row is malformed or foreign
+    │   ├── AgentStoreCapabilityError     the store's driver does not offer this optional capability
+    │   ├── AgentArchiveRejectedError     an archive cannot be imported or branched from (``code`` says why)
+    │   └── AgentBranchRefusedError       a branch request cannot be carried out (``code`` says why)
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
     ├── AgentToolFenceLostError           a tool fence check said this executor no longer owns the run
     └── AgentContextOverflowError         a prepared step cannot fit the model window
@@ -35,6 +38,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = (
+    "AgentArchiveRejectedError",
+    "AgentBranchRefusedError",
     "AgentConfigError",
     "AgentContextOverflowError",
     "AgentConversationPurgedError",
@@ -50,6 +55,7 @@ __all__ = (
     "AgentRuntimeClosedError",
     "AgentRuntimeUsageError",
     "AgentStoreBusyError",
+    "AgentStoreCapabilityError",
     "AgentStoreConflictError",
     "AgentStoreCorruptRecordError",
     "AgentStoreError",
@@ -183,6 +189,38 @@ class AgentStoreCorruptRecordError(AgentStoreError):
     def __init__(self, message: str, *, where: str) -> None:
         super().__init__(f"{where}: {message}")
         self.where = where
+
+
+class AgentStoreCapabilityError(AgentStoreError):
+    """The store's driver does not offer an optional capability (the event ledger, say): it is reported
+    absent, never faked. ``capability`` names it."""
+
+    def __init__(self, capability: str, message: str) -> None:
+        super().__init__(message)
+        self.capability = capability
+
+
+class AgentArchiveRejectedError(AgentStoreError):
+    """An archive was refused before anything was written. ``code`` names the offence
+    (``ARCHIVE_MALFORMED``, ``ARCHIVE_TOO_LARGE``, ``ARCHIVE_FORMAT``, ``ARCHIVE_FOREIGN``,
+    ``ARCHIVE_SEQUENCE``, ``ARCHIVE_DUPLICATE_ID``, ``ARCHIVE_UNKNOWN_KIND``, ``ARCHIVE_PAYLOAD``,
+    ``ARCHIVE_DIGEST``, ``ARCHIVE_SNAPSHOT``, ``IMPORT_TARGET_EXISTS``); ``where`` the part of the archive."""
+
+    def __init__(self, code: str, message: str, *, where: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.where = where
+
+
+class AgentBranchRefusedError(AgentStoreError):
+    """A branch was refused before anything was written. ``code``: ``BRANCH_SOURCE_UNKNOWN``,
+    ``BRANCH_RUN_UNKNOWN``, ``BRANCH_RUN_ACTIVE`` (the selected prefix still has a queued or acquired run),
+    ``BRANCH_DESTINATION_EXISTS``, ``BRANCH_REQUEST_CONFLICT`` (the key was used for another request),
+    ``BRANCH_SOURCE_INVALID``, ``BRANCH_ARTIFACTS`` (spills need ``artifact_authorization``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
 
 
 class AgentRunUnsettledError(ThreadlineError):

@@ -85,6 +85,8 @@ from .events import (
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
+from .ledger.digests import PrefixDigests
+from .ledger.requests import provider_request_records
 from .models import AgentModelDescriptor
 from .protocol import AgentProtocol
 from .records import (
@@ -495,6 +497,10 @@ class _OwnedRun:
         self.run = run
         self.control = control
         self.checkpoints = 0
+        self.attached: list[dict[str, Any]] = []
+        """Ledger records (provider requests and responses, retries) for the run's next commit that takes
+        them: a checkpoint, an operation record or the terminal, in the same transaction."""
+        self._on_attached: list[Callable[[], None]] = []
         self.vouched = False
         """Set while the tool calls that start right after a step's finish commit pass their fence: that
         compare-and-swap verified owner and fencing token, and nothing could run in between (no
@@ -521,13 +527,28 @@ class _OwnedRun:
             self.control.abort("interrupted")
         return current
 
+    def attach(self, events: Sequence[dict[str, Any]], committed: Callable[[], None] | None = None) -> None:
+        """Ledger records for the next commit that carries them; ``committed`` runs once it has."""
+        self.attached.extend(events)
+        if committed is not None:
+            self._on_attached.append(committed)
+
+    def take_attached(self) -> tuple[list[dict[str, Any]], list[Callable[[], None]]]:
+        events, done = self.attached, self._on_attached
+        self.attached, self._on_attached = [], []
+        return events, done
+
     async def _owned(self, mutate: Callable[..., Awaitable[Any]], **fields: Any) -> Any:
         """One owned mutation of the run (``mutate`` is a store method taking the run's identity, expected
         revision, owner and fencing token, plus ``fields``), serialized with the run's other owned writes.
-        A failing store call is retried (:func:`with_store_retry`)."""
+        A failing store call is retried (:func:`with_store_retry`). A checkpoint or an operation record
+        carries the ledger records attached so far (:meth:`attach`)."""
         if self._busy:  # another owned write (a lease renewal, say) is in flight: wait for it
             await self._wait_turn()
         self._busy = True
+        done: list[Callable[[], None]] = []
+        if self.attached and mutate.__name__ in ("checkpoint_run_assistant", "record_run_operation"):
+            fields["events"], done = self.take_attached()
         try:
             for attempt in range(3):
                 run = self.run
@@ -557,6 +578,8 @@ class _OwnedRun:
                 except Exception as error:  # the store failed: the run cannot continue durably
                     raise _Failure("runtime_failure", error) from error
                 self.run = result.run
+                for committed in done:
+                    committed()
                 return result
             raise AssertionError("unreachable")
         finally:
@@ -686,6 +709,8 @@ class _Execution:
         self._lifecycle: AgentToolLifecycle | None = None
         """The application's tool hooks composed with the fence; None without hooks (the fence alone)."""
         self._prefix_call_ids: Any = frozenset()
+        self._prefix: Any = None
+        """The settled-history projection the last request forked (its messages start every request)."""
         self._draft: Message | None = None
         self._inputs_projection: tuple[Any, int, list[Message], Any] | None = None
         """(prefix projector, settled count, inputs, their projection) of the last step (see ``_history``)."""
@@ -802,6 +827,7 @@ class _Execution:
         if model.provider_name != options.provider_name:
             options = self.env.projection_options_for(model.provider_name)
         prefix = view.projector(options)
+        self._prefix = prefix
         self._prefix_call_ids = prefix.call_ids
         if self.claims:  # joined inputs: the draft places them, so inputs and draft are projected in one pass
             inputs += [m for m in view.messages_of(set(self.claims)) if m.role == "user"]
@@ -1115,16 +1141,18 @@ class _Execution:
                 continue
             found = requests.get(response.approval_id)
             request = found[0] if found else None
+            rejected = None
             if request is None or secret is None or not verify_tool_call(secret, request):
+                rejected = "has no valid signed request"
+            elif response.call_id != request.call_id:
+                rejected = "answers another call"
+            if rejected is not None:  # recorded in the ledger with the run's terminal
+                identity = {"run_id": self.run.id, "approval_id": response.approval_id, "call_id": response.call_id}
+                self.owned.attach([_ledger("approval/response-rejected", {**identity, "reason": rejected})])
                 raise _Failure(
-                    "runtime_failure",
-                    AgentApprovalInvalidError(f"approval {response.approval_id!r} has no valid signed request"),
+                    "runtime_failure", AgentApprovalInvalidError(f"approval {response.approval_id!r} {rejected}")
                 )
-            if response.call_id != request.call_id:
-                raise _Failure(
-                    "runtime_failure",
-                    AgentApprovalInvalidError(f"approval {response.approval_id!r} answers another call"),
-                )
+            assert request is not None
             call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
             self.parts.append(call)
             if response.approved:
@@ -1252,8 +1280,12 @@ class _Execution:
         self.parts = [p for p in self.parts if p.type != "input-joined"]
         self.claims.clear()
         self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
+        identity = {"run_id": self.run.id, "step_number": step, "attempt": self.attempt}
+        reason = {"reason": failure.reason, "error": type(failure.cause).__name__}
+        self.owned.attach([_ledger("retry/scheduled", {**identity, "delay": delay, **reason})])
         await self._checkpoint(list(self.parts), scheduled)
         await self._abortable(asyncio.sleep(delay))
+        self.owned.attach([_ledger("retry/started", identity)])
         await self._record(evolve(scheduled, {"phase": "started", "started_at": _now()}))
         return True
 
@@ -1281,18 +1313,22 @@ class _Execution:
                 await self._compact(step, model)
             if self.admitted is not None:  # the acquisition committed this request's admission
                 operation, self.admitted = self.admitted, None
+                try:
+                    ctx = await self._prepare(step, model, instructions, by_name)
+                except _Failure as failure:
+                    await self._finish_operation(operation, "failed", failure.reason)
+                    raise
+                # the exact request rides with the run's next commit (the admission is durable already)
+                self._record_request(step, ctx)
                 if self.parts:  # inputs joined or approvals were answered since: the draft holds them
                     await self._checkpoint(list(self.parts))
             else:
                 operation = model_request(step, self.attempt)
-                # one commit: the draft so far (the initial draft, or the previous step's tool results) and
-                # the durable admission of this request; a failed write prevents the provider call
-                await self._checkpoint(list(self.parts), operation)
-            try:
                 ctx = await self._prepare(step, model, instructions, by_name)
-            except _Failure as failure:
-                await self._finish_operation(operation, "failed", failure.reason)
-                raise
+                self._record_request(step, ctx)
+                # one commit: the draft so far (the initial draft, or the previous step's tool results), the
+                # durable admission of this request and its exact record; a failed write prevents the call
+                await self._checkpoint(list(self.parts), operation)
             params = ModelRequestParameters(
                 function_tools=[by_name[n].definition() for n in ctx.active_tools if n in by_name],
                 # the prompt's parts and the history's system part; text prepare_step replaced goes as it is
@@ -1310,6 +1346,7 @@ class _Execution:
             publishing = env.publishing or env.operator_publishing
             first = _first_output(operation, first_at) if first_at is not None and publishing else None
             self._step_finished(step, ctx.model, response, first)
+            self._record_response(step, response)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
@@ -1391,6 +1428,33 @@ class _Execution:
         if len(joined) < len(queued.input_message_ids):
             self.control.offer_injection(run_id)
         return True
+
+    def _record_request(self, step: int, ctx: StepContext) -> None:
+        """Attach this call's ``provider/request`` record (and the ``provider/message`` bodies this process
+        has not seen recorded) to the run's next commit, which is made before the call."""
+        state = self.env.view.ledger_state
+        if not isinstance(state, PrefixDigests):
+            state = self.env.view.ledger_state = PrefixDigests()
+        events, committed = provider_request_records(
+            state,
+            self._prefix,
+            ctx.messages,
+            run_id=self.run.id,
+            attempt=self.attempt,
+            step=step,
+            model_id=getattr(ctx.model, "name", None),
+            instructions=str(ctx.instructions),
+        )
+        self.owned.attach(events, committed)
+
+    def _record_response(self, step: int, response: ModelResponse) -> None:
+        """Attach the completed response's identity (``provider/response``) to the run's next commit."""
+        identity = AgentProviderResponse.from_response(response)
+        if identity is None:
+            return
+        payload = {"run_id": self.run.id, "attempt": self.attempt, "step_number": step}
+        payload["response"] = identity.model_dump(exclude_none=True)
+        self.owned.attach([_ledger("provider/response", payload)])
 
     def _step_finished(
         self, step: int, model: AgentModelDescriptor, response: ModelResponse | None, first: RunOperation | None = None
@@ -1489,6 +1553,7 @@ class _Execution:
                     absorb=list(self.claims.values()) if reason in COMPLETED_REASONS else (),
                     operation=self._last_step[1] if self._last_step is not None else None,
                     usage=self.total_usage(),
+                    events=list(self.owned.attached),
                 )
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:
@@ -1508,6 +1573,9 @@ class _Execution:
                 return RunOutcome(reason=None, run=self.run, usage=self.usage, lost=error, steps=self.steps)
             except Exception as error:
                 return RunOutcome(reason=None, run=self.run, usage=self.usage, unsettled=error, steps=self.steps)
+            if result.outcome == "committed":
+                for committed in self.owned.take_attached()[1]:
+                    committed()
             if self._last_step is not None and result.outcome == "committed":
                 first, completed = self._last_step
                 if first is not None:
@@ -1540,6 +1608,10 @@ async def execute_run(
     if admitted is not None:
         execution.owned.published_checkpoint((), admitted[1], None, admitted[0])
     return await execution.execute()
+
+
+def _ledger(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": kind, "payload": payload}
 
 
 def split_completed_rounds(parts: Sequence[Part]) -> tuple[tuple[Part, ...], tuple[Part, ...]]:

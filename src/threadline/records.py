@@ -455,6 +455,8 @@ class ConversationHead(_Durable):
     message_seq: int = Field(default=0, ge=0)
     admission_seq: int = Field(default=0, ge=0)
     execution_seq: int = Field(default=0, ge=0)
+    event_seq: int = Field(default=0, ge=0)
+    """The ``seq`` of the conversation's last ledger event (every mutation appends after it)."""
     created_at: Timestamp
     updated_at: Timestamp
 

@@ -149,14 +149,19 @@ async def test_migrations_are_idempotent(postgres_dsn: str, schema: str) -> None
 
 
 async def test_a_layout_1_schema_is_migrated_forward_and_keeps_everything(postgres_dsn: str, schema: str) -> None:
-    """Layout 1 (threadline before runs were found by their answer id) gains the index on open; its rows
-    stay, and the new refusal works on them."""
+    """Layout 1 (threadline before runs were found by their answer id) gains the index and the ledger on
+    open; its rows stay, and the new refusal works on them."""
     async with handle_for(postgres_dsn, schema) as pg:
         await turn(pg.store, "c", "t1")
     await sql(postgres_dsn, f'DROP INDEX "{schema}".threadline_runs_assistant')
     await sql(postgres_dsn, f'ALTER TABLE "{schema}".threadline_runs DROP COLUMN assistant_message_id')
+    await sql(postgres_dsn, f'DROP TABLE "{schema}".threadline_events')  # and the ledger of layout 4
+    heads = f'"{schema}".threadline_conversations'
+    await sql(postgres_dsn, f"UPDATE {heads} SET body = (body::jsonb - 'event_seq')::text")
     await sql(postgres_dsn, f"UPDATE \"{schema}\".threadline_meta SET value = '1' WHERE key = 'schema_version'")
     async with handle_for(postgres_dsn, schema) as pg:
+        (baseline,) = (await pg.store.read_events(conversation_id="c")).items  # the ledger begins at seq 1
+        assert baseline.kind == "runtime/baseline"
         loaded = await pg.store.load_run(conversation_id="c", run_id="t1:run")
         assert loaded is not None and loaded.run.terminal_reason == "success"
         with pytest.raises(AgentIdempotencyConflictError):
@@ -239,6 +244,7 @@ async def test_only_threadline_objects_in_the_schema(postgres_dsn: str, schema: 
     assert tables == [
         "threadline_admissions",
         "threadline_conversations",
+        "threadline_events",
         "threadline_messages",
         "threadline_meta",
         "threadline_runs",

@@ -226,7 +226,8 @@ async def test_what_ran_after_the_first_write_runs_again_after_a_failed_write(db
         assert (first.outcome, again.outcome, second.outcome) == ("accepted", "duplicate", "accepted")
         assert again.run.id == first.run.id and (first.version, second.version) == (2, 3)
         stats = store.metrics["accept_input_and_assign_run"]
-        assert (stats.calls, stats.rows_written) == (4, 3 * 4)  # the rows of three admissions, once each
+        # the rows of three admissions (head, run, input, receipt, ledger event), once each
+        assert (stats.calls, stats.rows_written) == (4, 3 * 5)
     assert heads_in(db) == {"c"}
 
 

@@ -356,7 +356,13 @@ async def test_a_version_1_file_is_migrated_forward_and_keeps_everything(db: Pat
         assert conn.execute("SELECT count(*) FROM threadline_runs").fetchone()[0] > 0
     finally:
         conn.close()
-    assert set(after) - set(before) == {"threadline_fts_queue", "threadline_runs_assistant"}
+    assert set(after) - set(before) == {
+        "threadline_fts_queue",
+        "threadline_runs_assistant",
+        "threadline_events",
+        "threadline_events_bodies",
+        "threadline_events_purged_guard",
+    }
     changed = {name for name in before if before[name] != after[name]}
     # the runs table gained its assistant_message_id column
     assert changed == {"threadline_runs", *(f"threadline_messages_fts_{t}" for t in ("insert", "update", "delete"))}

@@ -262,6 +262,16 @@ async def test_a_forged_or_mismatched_approval_fails_the_run_and_runs_nothing(st
     result = await ticket.result
     assert result.terminal_reason == "runtime_failure" and effects == []
     await forger.close()
+    # the rejection is in the ledger, committed with the run's terminal
+    events = (await store.read_events(conversation_id="c1", limit=10_000)).items
+    (rejected,) = [e for e in events if e.kind == "approval/response-rejected"]
+    assert rejected.payload == {
+        "run_id": result.run.id,
+        "approval_id": approval.approval_id,
+        "call_id": approval.call_id,
+        "reason": "has no valid signed request",
+    }
+    assert events[rejected.seq].payload["type"] == "terminal"  # the next event: that run's terminal
 
     # a response naming another call than the request's, written straight into the store
     mismatch = approval_runtime(store, call_then_answer("charge", '{"amount": 2}'), effects, secret="the real secret")

@@ -1,5 +1,5 @@
 """The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover``, ``worker``,
-``serve`` and ``schema``.
+``serve``, ``schema``, and the ledger's ``export``, ``import`` and ``branch`` (:mod:`threadline.cli.ledger`).
 
 Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` (an
 unreadable database, a missing credential, an unknown policy…) becomes one line ``error: <message>`` on
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -51,7 +52,11 @@ def _fail(message: str, status: int = EXIT_ERROR) -> typer.Exit:
 
 @contextmanager
 def _reported() -> Iterator[None]:
-    """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130."""
+    """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130. The
+    library's own log lines (a refused import, say) are not printed besides: the ``error:`` line says it."""
+    quiet = logging.getLogger("threadline")
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())
     try:
         yield
     except ThreadlineError as error:
@@ -515,11 +520,84 @@ def inspect_events(
     dsn: DsnOption = None,
     schema_name: SchemaOption = None,
     conversation: ConversationFilter = None,
-    state: StateFilter = None,
+    from_seq: Annotated[int, typer.Option("--from-seq", help="Start at this seq.", min=1)] = 1,
     as_json: JsonOption = False,
     limit: LimitOption = 1000,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing events as they are appended.")] = False,
 ) -> None:
-    """A timeline of the durable facts each run records: admitted, acquired, its last operation, its
-    terminal. threadline keeps no event log (delivery events are post-commit notifications, not stored),
-    so this is derived from the run rows; transient events (deltas, tool status) are not recoverable."""
-    _inspect("events", db, dsn, schema_name, conversation, state, as_json, limit)
+    """The event ledger of --conversation (or of every conversation): each store transition, provider
+    request, response and message body, and the events applications appended, in seq order."""
+    with _reported():
+        from .ledger import inspect_events_command
+
+        inspect_events_command(
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            conversation=conversation,
+            from_seq=from_seq,
+            limit=limit,
+            as_json=as_json,
+            follow=follow,
+        )
+
+
+# --------------------------------------------------------------------------- export / import / branch
+
+
+@app.command("export")
+def export(
+    conversation: Annotated[str, typer.Option("--conversation", "-c", help="The conversation to export.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the archive here (default: stdout).")] = None,
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+) -> None:
+    """Write one conversation as a canonical archive: its ledger and runtime snapshot."""
+    with _reported():
+        from .ledger import export_command
+
+        export_command(db=db, dsn=dsn, schema=schema_name, conversation=conversation, out=out)
+
+
+@app.command("import")
+def import_(
+    archive: Annotated[Path, typer.Argument(help="An archive written by threadline export ('-': stdin).")],
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+) -> None:
+    """Restore an archived conversation under its own id, into a database that does not hold it."""
+    with _reported():
+        from .ledger import import_command
+
+        import_command(db=db, dsn=dsn, schema=schema_name, archive=archive)
+
+
+@app.command("branch")
+def branch(
+    request_key: Annotated[str, typer.Option("--request-key", help="Idempotency key of this branch request.")],
+    destination: Annotated[str, typer.Option("--to", help="The new conversation id.")],
+    source_conversation: Annotated[str | None, typer.Option("--from", help="The source conversation.")] = None,
+    archive: Annotated[Path | None, typer.Option("--archive", help="Branch from an archive file instead.")] = None,
+    through_run: Annotated[str | None, typer.Option("--through-run", help="Copy through this run's end.")] = None,
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Copy a settled prefix of a conversation (or archive) into a new conversation with new identities."""
+    with _reported():
+        from .ledger import branch_command
+
+        branch_command(
+            db=db,
+            dsn=dsn,
+            schema=schema_name,
+            request_key=request_key,
+            destination=destination,
+            source_conversation=source_conversation,
+            archive=archive,
+            through_run=through_run,
+            as_json=as_json,
+        )

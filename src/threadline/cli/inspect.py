@@ -1,9 +1,8 @@
 """``threadline inspect conversations | runs | messages | events``: read a database, print tables or JSON.
 
-Reads only (through the store's paged readers and per-conversation loads); never writes. ``events`` is a
-timeline derived from the run rows — threadline stores no event log: delivery events are post-commit
-notifications, so what can be shown after the fact is each run's durable facts (admitted, acquired, its
-last recorded operation, its terminal).
+Reads only (through the store's paged readers and per-conversation loads); never writes. The ``events``
+command reads the event ledger (:mod:`threadline.cli.ledger`); the ``events`` view here, a timeline derived
+from the run rows, is what it showed before the ledger existed.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ class ConversationView:
         self._projected = 0
         self._projected_generation = -1
         self._projected_options: AgentHistoryProjectionOptions | None = None
+        self.ledger_state: object = None
+        """Kept here for the loop: what this process knows of the conversation's ledger (the digests of
+        the settled projection's messages for provider request records; ``threadline.ledger.digests``)."""
 
     async def refresh(self, store: object) -> None:
         """Catch up with the store (one bounded read of what changed since ``version``)."""

@@ -18,7 +18,14 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from ..errors import AgentRecordValidationError
+from ..errors import AgentRecordValidationError, AgentStoreCapabilityError
+from ..ledger.events import (
+    RUNTIME_KINDS,
+    AgentStoreEvent,
+    AgentStoreEventDraft,
+    AgentStoreEventPage,
+    payload_record,
+)
 from ..records import ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
 from ..usage import AgentUsage
 from . import reducer
@@ -70,7 +77,7 @@ def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
         return model.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in (field, *first["loc"]))
+        where = ".".join(str(p) for p in (field, *first["loc"]) if p != "")
         raise AgentRecordValidationError(f"{where}: {first['msg']}", field=where) from error
 
 
@@ -89,6 +96,22 @@ def _usage(value: object) -> AgentUsage | None:
     if value is None or type(value) is AgentUsage:
         return value  # type: ignore[return-value]
     return _validated(AgentUsage, value, "usage")  # type: ignore[arg-type]
+
+
+def _draft(value: AgentStoreEventDraft | Mapping[str, Any], at: str) -> AgentStoreEventDraft:
+    """One declared ledger record, checked: a declared kind the store does not reserve, and a payload that
+    is that kind's typed record (``at`` prefixes the field an error names)."""
+    draft = _validated(AgentStoreEventDraft, value, at.rstrip("."))
+    if draft.kind in RUNTIME_KINDS:
+        raise AgentRecordValidationError(
+            f"{at}kind {draft.kind!r} is written by the store itself; declare another kind", field=f"{at}kind"
+        )
+    payload_record(draft.kind, draft.payload, where=f"{at}payload")
+    return draft
+
+
+def _drafts(values: Sequence[AgentStoreEventDraft | Mapping[str, Any]]) -> tuple[AgentStoreEventDraft, ...]:
+    return tuple(_draft(value, f"events[{i}].") for i, value in enumerate(values))
 
 
 def _require_text(value: object, field: str) -> None:
@@ -142,6 +165,21 @@ class AgentRuntimeStore:
     async def aclose(self) -> None:
         await self.driver.aclose()
 
+    @property
+    def ledger(self) -> bool:
+        """Whether the driver keeps the event ledger (``driver.ledger``; the built-in drivers do). Without
+        it the ledger's methods raise :class:`~threadline.errors.AgentStoreCapabilityError`."""
+        return bool(getattr(self.driver, "ledger", False))
+
+    def _require_ledger(self) -> None:
+        if not self.ledger:
+            raise AgentStoreCapabilityError(
+                "ledger",
+                f"the store's driver ({type(self.driver).__name__}) does not keep the event ledger; implement "
+                "its row primitives (load_events, load_provider_bodies, load_all_receipts, load_all_seeds, and "
+                "the events of Write) and set driver.ledger = True",
+            )
+
     # ---------------------------------------------------------------------------------- mutations
 
     async def accept_input_and_assign_run(
@@ -189,6 +227,7 @@ class AgentRuntimeStore:
             _require_text(start_for, "start_for")
         op = functools.partial(
             reducer.accept_input_and_assign_run,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             idempotency_key=idempotency_key,
             input=draft,
@@ -223,6 +262,7 @@ class AgentRuntimeStore:
         _require_text(owner_id, "owner_id")
         op = functools.partial(
             reducer.acquire_run,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -244,12 +284,15 @@ class AgentRuntimeStore:
         parts: Sequence[Part | Mapping[str, Any]],
         operation: RunOperation | Mapping[str, Any] | None = None,
         usage: AgentUsage | None = None,
+        events: Sequence[AgentStoreEventDraft | Mapping[str, Any]] = (),
     ) -> RunResult:
         """Write the streaming assistant draft of an owned run; with ``operation``, record its
         ``last_operation`` phase in the same transaction (one commit for both), and with ``usage`` the run's
-        cumulative spend (:attr:`threadline.records.Run.usage`)."""
+        cumulative spend (:attr:`threadline.records.Run.usage`). ``events`` are ledger records of declared
+        kinds the same commit appends before its transition (a provider request, say)."""
         op = functools.partial(
             reducer.checkpoint_run_assistant,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -258,6 +301,7 @@ class AgentRuntimeStore:
             parts=_parts(parts, "parts") or (),
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             usage=_usage(usage),
+            events=_drafts(events),
             now=self._clock(),
         )
         return await self._run("checkpoint_run_assistant", op, "write")
@@ -272,11 +316,13 @@ class AgentRuntimeStore:
         fencing_token: int,
         operation: RunOperation | Mapping[str, Any],
         usage: AgentUsage | None = None,
+        events: Sequence[AgentStoreEventDraft | Mapping[str, Any]] = (),
     ) -> RunResult:
         """Durably record the run's ``last_operation`` phase (before the provider is called); with ``usage``,
-        the run's cumulative spend in the same commit."""
+        the run's cumulative spend in the same commit, with ``events`` ledger records of declared kinds."""
         op = functools.partial(
             reducer.record_run_operation,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -284,6 +330,7 @@ class AgentRuntimeStore:
             fencing_token=fencing_token,
             operation=_validated(RunOperation, operation, "operation"),
             usage=_usage(usage),
+            events=_drafts(events),
             now=self._clock(),
         )
         return await self._run("record_run_operation", op, "write")
@@ -301,6 +348,7 @@ class AgentRuntimeStore:
         """Extend the owner's lease on an acquired run."""
         op = functools.partial(
             reducer.renew_run_lease,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -317,6 +365,7 @@ class AgentRuntimeStore:
         """Durably mark an acquired run ``interrupt_requested``."""
         op = functools.partial(
             reducer.request_run_interrupt,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -338,6 +387,7 @@ class AgentRuntimeStore:
         absorb: Sequence[AbsorbClaim | Mapping[str, Any]] = (),
         operation: RunOperation | Mapping[str, Any] | None = None,
         usage: AgentUsage | None = None,
+        events: Sequence[AgentStoreEventDraft | Mapping[str, Any]] = (),
     ) -> TerminalResult:
         """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
         ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
@@ -348,6 +398,7 @@ class AgentRuntimeStore:
             raise AgentRecordValidationError(f"absorb: {error.errors()[0]['msg']}", field="absorb") from error
         op = functools.partial(
             reducer.commit_run_terminal,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -359,6 +410,7 @@ class AgentRuntimeStore:
             absorb=claims,
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             usage=_usage(usage),
+            events=_drafts(events),
             now=self._clock(),
         )
         return await self._run("commit_run_terminal", op, "write")
@@ -376,6 +428,7 @@ class AgentRuntimeStore:
         """Requeue (with replay-safe evidence) or abandon (with stale-owner evidence) an orphaned run."""
         op = functools.partial(
             reducer.recover_run,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             run_id=run_id,
             expected_revision=expected_revision,
@@ -397,6 +450,7 @@ class AgentRuntimeStore:
         """Replace a contiguous settled range with one summary, at exactly ``expected_version``."""
         op = functools.partial(
             reducer.replace_compacted_range,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             expected_version=expected_version,
             replaced_message_ids=list(replaced_message_ids),
@@ -419,6 +473,7 @@ class AgentRuntimeStore:
         drafts = [_validated(MessageDraft, d, f"inputs[{i}]") for i, d in enumerate(inputs)]
         op = functools.partial(
             reducer.seed_conversation_input,
+            event_id=new_id("evt"),
             conversation_id=conversation_id,
             seed_key=seed_key,
             inputs=drafts,
@@ -434,6 +489,103 @@ class AgentRuntimeStore:
             reducer.purge_conversation, conversation_id=conversation_id, expected_version=expected_version
         )
         return await self._run("purge_conversation", op, "write")
+
+    # ------------------------------------------------------------------------------------ the ledger
+
+    async def read_events(
+        self,
+        *,
+        conversation_id: str,
+        from_seq: int = 1,
+        to_seq: int | None = None,
+        limit: int = reducer.DEFAULT_EVENT_PAGE,
+    ) -> AgentStoreEventPage:
+        """One page of the conversation's ledger, in ``seq`` order from ``from_seq`` (through ``to_seq``
+        when given). ``limit`` is 1..10,000 (default 1,000); ``next_seq`` is set only when more events
+        remain in the range. Bounded and indexed: a page costs its rows wherever it starts. An unknown or
+        purged conversation has no events."""
+        _require_text(conversation_id, "conversation_id")
+        self._require_ledger()
+        op = functools.partial(
+            reducer.read_events, conversation_id=conversation_id, from_seq=from_seq, to_seq=to_seq, limit=limit
+        )
+        return await self._run("read_events", op, "read")
+
+    async def append_event(
+        self,
+        *,
+        conversation_id: str,
+        kind: str,
+        payload: Any = None,
+        occurred_at: datetime | None = None,
+        ignorable: bool | None = None,
+    ) -> AgentStoreEvent:
+        """Append one event of a declared kind (not one the store reserves: ``runtime/*``) and return it
+        with its ``seq``. Durable on return. ``payload`` must be that kind's typed record (as JSON); a
+        ``provider/message`` body the ledger holds already is not written again: its first event is
+        returned. Creates the conversation's head when it has none (version 0); a purged conversation is
+        refused. Cancelling the caller does not withdraw a write already handed to the driver."""
+        _require_text(conversation_id, "conversation_id")
+        self._require_ledger()
+        draft = _draft({"kind": kind, "payload": payload, **({"ignorable": True} if ignorable else {})}, "")
+        if occurred_at is not None and (not isinstance(occurred_at, datetime) or occurred_at.tzinfo is None):
+            raise AgentRecordValidationError(
+                f"occurred_at is a timezone-aware datetime, got {occurred_at!r}", field="occurred_at"
+            )
+        op = functools.partial(
+            reducer.append_event,
+            conversation_id=conversation_id,
+            draft=draft,
+            occurred_at=occurred_at,
+            now=self._clock(),
+            event_id=new_id("evt"),
+        )
+        return await self._run("append_event", op, "write")
+
+    async def export_conversation(self, conversation_id: str) -> bytes:
+        """The conversation as archive bytes (:mod:`threadline.ledger.archive`), read in one transaction:
+        its events, its runtime snapshot (head, runs, messages with the compacted ones, admission receipts,
+        seeds) and companion projection envelopes, as RFC 8785 canonical JSON. Reads only."""
+        from .transfer import export_conversation
+
+        self._require_ledger()
+
+        return await export_conversation(self, conversation_id)
+
+    async def import_conversation(self, data: bytes) -> Any:
+        """Restore an exported conversation under its own identity into this store, where that conversation
+        does not exist. The whole archive is validated first (see :mod:`threadline.store.transfer`);
+        anything wrong is :class:`~threadline.errors.AgentArchiveRejectedError` naming the offence, and
+        nothing is written. Durable on return: one transaction writes it all."""
+        from .transfer import import_conversation
+
+        self._require_ledger()
+
+        return await import_conversation(self, data)
+
+    async def branch_conversation(
+        self,
+        *,
+        request_key: str,
+        destination_conversation_id: str,
+        source: Mapping[str, Any],
+        artifact_authorization: Any = None,
+    ) -> Any:
+        """Copy a settled prefix of a conversation (or an archive) into a new, independent conversation
+        with new engine identities (see :func:`threadline.store.transfer._branch`). Durable on return (one
+        transaction); a cancelled call either wrote the whole copy or nothing: retry with the same
+        ``request_key`` to learn which (a retry of a created branch is ``duplicate``)."""
+        from .transfer import branch_conversation
+
+        self._require_ledger()
+
+        return await branch_conversation(
+            self,
+            request_key=request_key,
+            destination_conversation_id=destination_conversation_id,
+            source=source,
+            artifact_authorization=artifact_authorization,
+        )
 
     # -------------------------------------------------------------------------------------- reads
 

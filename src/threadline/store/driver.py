@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
+from ..ledger.events import AgentStoreEvent
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 
 T = TypeVar("T")
@@ -185,19 +186,61 @@ class ListConversations:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadEvents:
+    """-> up to ``limit`` ledger events with ``from_seq <= seq <= to_seq``, in ``seq`` order. Indexed by
+    (conversation, seq): a page costs its rows, wherever in the journal it starts."""
+
+    conversation_id: str
+    from_seq: int
+    to_seq: int
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProviderBodies:
+    """-> ``(sha256, seq)`` of each digest among ``shas`` whose ``provider/message`` body the
+    conversation's ledger holds (an index on the body digest; never a scan of the journal)."""
+
+    conversation_id: str
+    shas: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadAllReceipts:
+    """-> every admission receipt of the conversation (export only)."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadAllSeeds:
+    """-> every seed record of the conversation (export only)."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Mutation:
     """Rows to write in the current transaction. Head, runs and messages are upserts by id; receipts and
-    seeds are inserts (the reducer never rewrites them)."""
+    seeds are inserts (the reducer never rewrites them), and so are ledger ``events``."""
 
     head: ConversationHead | None = None
     runs: tuple[Run, ...] = ()
     messages: tuple[Message, ...] = ()
     receipts: tuple[AdmissionReceipt, ...] = ()
     seeds: tuple[SeedRecord, ...] = ()
+    events: tuple[AgentStoreEvent, ...] = ()
 
     @property
     def row_count(self) -> int:
-        return (1 if self.head else 0) + len(self.runs) + len(self.messages) + len(self.receipts) + len(self.seeds)
+        return (
+            (1 if self.head else 0)
+            + len(self.runs)
+            + len(self.messages)
+            + len(self.receipts)
+            + len(self.seeds)
+            + len(self.events)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +276,10 @@ Request: TypeAlias = (
     | PageSettled
     | ScanActiveRuns
     | ListConversations
+    | LoadEvents
+    | LoadProviderBodies
+    | LoadAllReceipts
+    | LoadAllSeeds
     | Write
     | Purge
 )
@@ -263,6 +310,10 @@ class SyncRows(Protocol):
     def page_settled(self, r: PageSettled) -> list[Message]: ...
     def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
     def list_conversations(self, r: ListConversations) -> list[ConversationHead]: ...
+    def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]: ...
+    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]: ...
+    def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]: ...
+    def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]: ...
     def write(self, r: Write) -> None: ...
     def purge(self, r: Purge) -> None: ...
 
@@ -287,6 +338,10 @@ class AsyncRows(Protocol):
     async def page_settled(self, r: PageSettled) -> list[Message]: ...
     async def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
     async def list_conversations(self, r: ListConversations) -> list[ConversationHead]: ...
+    async def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]: ...
+    async def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]: ...
+    async def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]: ...
+    async def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]: ...
     async def write(self, r: Write) -> None: ...
     async def purge(self, r: Purge) -> None: ...
 
@@ -351,6 +406,10 @@ _SYNC_DISPATCH: dict[type, str] = {
     PageSettled: "page_settled",
     ScanActiveRuns: "scan_active_runs",
     ListConversations: "list_conversations",
+    LoadEvents: "load_events",
+    LoadProviderBodies: "load_provider_bodies",
+    LoadAllReceipts: "load_all_receipts",
+    LoadAllSeeds: "load_all_seeds",
     Write: "write",
     Purge: "purge",
 }

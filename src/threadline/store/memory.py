@@ -16,6 +16,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ..errors import AgentStoreUnavailableError
+from ..ledger.events import AgentStoreEvent
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 from .aggregate import AgentRuntimeStore, create_agent_runtime_store
 from .driver import (
@@ -23,11 +24,15 @@ from .driver import (
     HeadState,
     ListActiveRuns,
     ListConversations,
+    LoadAllReceipts,
     LoadAllRuns,
+    LoadAllSeeds,
+    LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
+    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -58,6 +63,8 @@ class _Conversation:
     receipts: dict[str, AdmissionReceipt] = field(default_factory=dict)
     receipt_by_input: dict[str, str] = field(default_factory=dict)
     seeds: dict[str, SeedRecord] = field(default_factory=dict)
+    events: list[AgentStoreEvent] = field(default_factory=list)  # events[k] has seq k + 1
+    bodies: dict[str, int] = field(default_factory=dict)  # provider/message digest -> seq
 
 
 class _Rows:
@@ -164,6 +171,25 @@ class _Rows:
         ids = sorted(cid for cid in self.tables if r.after is None or cid > r.after)
         return [self.tables[cid].head for cid in ids[: r.limit]]
 
+    def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]:
+        conv = self._conv(r.conversation_id)
+        if conv is None or r.to_seq < r.from_seq:
+            return []
+        lo = max(r.from_seq, 1) - 1
+        return conv.events[lo : min(r.to_seq, lo + r.limit)]
+
+    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+        conv = self._conv(r.conversation_id)
+        return [(sha, conv.bodies[sha]) for sha in dict.fromkeys(r.shas) if sha in conv.bodies] if conv else []
+
+    def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]:
+        conv = self._conv(r.conversation_id)
+        return list(conv.receipts.values()) if conv else []
+
+    def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]:
+        conv = self._conv(r.conversation_id)
+        return list(conv.seeds.values()) if conv else []
+
     def write(self, r: Write) -> None:
         self.staged.append(r)
 
@@ -192,6 +218,12 @@ class _Rows:
                 conv.receipt_by_input[receipt.input.id] = receipt.idempotency_key
             for seed in m.seeds:
                 conv.seeds[seed.seed_key] = seed
+            for event in m.events:
+                # the reducer numbers events from the head: a gap or a repeat is a bug, never input
+                assert event.seq == len(conv.events) + 1, f"event seq {event.seq} after {len(conv.events)}"
+                conv.events.append(event)
+                if event.kind == "provider/message" and isinstance(event.payload, dict):
+                    conv.bodies.setdefault(str(event.payload.get("sha256")), event.seq)
 
 
 def _clone(value: T) -> T:
@@ -214,6 +246,7 @@ def _clone(value: T) -> T:
                 messages=_clone(m.messages),
                 receipts=_clone(m.receipts),
                 seeds=_clone(m.seeds),
+                events=_clone(m.events),
             )
         )
     return value
@@ -236,6 +269,9 @@ class _Copying:
 
 class MemoryStoreDriver:
     """In-process driver. Transactions are serialized by one lock; a failed operation writes nothing."""
+
+    ledger = True
+    """This driver keeps the event ledger (``threadline_events``)."""
 
     def __init__(self) -> None:
         self._tables: dict[str, _Conversation] = {}

@@ -16,10 +16,13 @@ Unsettled messages (of active runs) follow the settled ones in run execution ord
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic_core import to_jsonable_python
 
 from ..errors import (
     AgentConversationPurgedError,
@@ -32,9 +35,11 @@ from ..errors import (
     AgentRunStateConflictError,
     AgentStoreConflictError,
 )
+from ..ledger.events import AgentStoreEvent, AgentStoreEventDraft, AgentStoreEventPage, parts_digest
 from ..records import (
     ACQUIRED_RUN_STATES,
     RUN_STATE_FOR_REASON,
+    STORAGE,
     TEMPLATE_TIME,
     AdmissionReceipt,
     ConversationHead,
@@ -52,16 +57,20 @@ from ..records import (
     evolve,
     run_invariant_problem,
 )
-from ..usage import AgentUsage
+from ..usage import AgentUsage, stored_usage
 from .driver import (
     HeadState,
     ListActiveRuns,
     ListConversations,
+    LoadAllReceipts,
     LoadAllRuns,
+    LoadAllSeeds,
+    LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
+    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -213,6 +222,115 @@ def _stamp(mutation: Mutation) -> Mutation:
         receipts=mutation.receipts,
         seeds=mutation.seeds,
     )
+
+
+# ------------------------------------------------------------------------------------------- the ledger
+
+_EVENT = AgentStoreEvent(
+    event_id="-", conversation_id="-", seq=1, kind="runtime/transition", occurred_at=_T, payload=None
+)
+
+MAX_EVENT_PAGE = 10_000
+"""The largest page :func:`read_events` returns; larger requests are refused rather than clamped."""
+DEFAULT_EVENT_PAGE = 1000
+
+
+def _json(value: Any) -> Any:
+    """A record (or records) as the JSON a ledger payload holds: fields left at None are left out."""
+    return to_jsonable_python(value, exclude_none=True)
+
+
+def event_id_for(conversation_id: str, seq: int) -> str:
+    """The id of an event whose operation was given none (a reducer driven by hand): derived, not drawn."""
+    return "evt_" + hashlib.sha256(f"{conversation_id}\x00{seq}".encode()).hexdigest()[:32]
+
+
+def _events(
+    head: ConversationHead,
+    now: Timestamp,
+    event_id: str,
+    entries: Sequence[tuple[str, Any, bool | None]],
+) -> tuple[ConversationHead, tuple[AgentStoreEvent, ...]]:
+    """``entries`` (kind, payload, ignorable) as the conversation's next events, all at ``now``, and the
+    head that counts them. The first takes ``event_id``, the others ``event_id.k``."""
+    cid = head.conversation_id
+    seq = head.event_seq
+    out = []
+    for k, (kind, payload, ignorable) in enumerate(entries):
+        seq += 1
+        eid = (event_id if k == 0 else f"{event_id}.{k}") if event_id else event_id_for(cid, seq)
+        values = {
+            "event_id": eid,
+            "conversation_id": cid,
+            "seq": seq,
+            "kind": kind,
+            "occurred_at": now,
+            "payload": payload,
+        }
+        if ignorable:
+            values["ignorable"] = True
+        out.append(build(_EVENT, values))
+    return evolve(head, {"event_seq": seq}), tuple(out)
+
+
+def _recorded(
+    mutation: Mutation,
+    now: Timestamp,
+    event_id: str,
+    kind: str,
+    command: dict[str, Any],
+    declared: Sequence[AgentStoreEventDraft] = (),
+) -> Mutation:
+    """``mutation`` with its ledger events: the ``declared`` ones, then its ``runtime/transition``
+    record (``kind`` is the transition's ``type``, ``command`` its ``input``). The head counts them."""
+    assert mutation.head is not None
+    transition = {"type": kind, "input": command, "version": mutation.head.version}
+    entries = [(d.kind, d.payload, d.ignorable) for d in declared]
+    entries.append(("runtime/transition", transition, None))
+    head, events = _events(mutation.head, now, event_id, entries)
+    return Mutation(
+        head=head,
+        runs=mutation.runs,
+        messages=mutation.messages,
+        receipts=mutation.receipts,
+        seeds=mutation.seeds,
+        events=events,
+    )
+
+
+def _owned_command(run_id: str, expected_revision: int, owner_id: str, fencing_token: int) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "expected_revision": expected_revision,
+        "owner_id": owner_id,
+        "fencing_token": fencing_token,
+    }
+
+
+def _with_spend(command: dict[str, Any], operation: RunOperation | None, usage: AgentUsage | None) -> None:
+    if operation is not None:
+        command["operation"] = _json(operation)
+    if usage is not None:
+        command["usage"] = stored_usage(usage)
+
+
+def _declared(conversation_id: str, drafts: Sequence[AgentStoreEventDraft]) -> Operation[list[AgentStoreEventDraft]]:
+    """The declared events to append: a ``provider/message`` body the conversation's ledger holds already
+    (or that appears twice here) is written once, the first time (one indexed read of those digests)."""
+    if not drafts:
+        return []
+    shas = tuple(dict.fromkeys(d.payload["sha256"] for d in drafts if d.kind == "provider/message"))  # type: ignore[index,call-overload]
+    found: list[tuple[str, int]] = (yield LoadProviderBodies(conversation_id, shas)) if shas else []
+    present = {sha for sha, _ in found}
+    out = []
+    for d in drafts:
+        if d.kind == "provider/message":
+            sha = d.payload["sha256"]  # type: ignore[index,call-overload]
+            if sha in present:
+                continue
+            present.add(sha)
+        out.append(d)
+    return out
 
 
 def _new_head(conversation_id: str, now: Timestamp) -> ConversationHead:
@@ -370,6 +488,7 @@ def accept_input_and_assign_run(
     start_for: str | None = None,
     lease_expires_at: Timestamp | None = None,
     operation: RunOperation | None = None,
+    event_id: str = "",
 ) -> Operation[AcceptResult]:
     """Commit the input, its admission receipt and its queued run — or coalesce the input into the single
     queued ordinary successor — in one transaction. A repeated key returns the original receipt.
@@ -506,7 +625,26 @@ def accept_input_and_assign_run(
     if start_for is not None and target is None and not active:
         head, run, drafts = yield from _start(head, run, start_for, lease_expires_at, operation, now, fresh_ids)
         messages += drafts
+    command: dict[str, Any] = {
+        "idempotency_key": idempotency_key,
+        "input": _json(input),
+        "run_id": run_id,
+        "assistant_message_id": assistant_message_id,
+    }
+    if priority != "ordinary":
+        command["priority"] = priority
+    if input_policy != "queue":
+        command["input_policy"] = input_policy
+    if coalesce:
+        command["coalesce"] = True
+    if start_for is not None:
+        command["start_for"] = start_for
+        if lease_expires_at is not None:
+            command["lease_expires_at"] = _json(lease_expires_at)
+        if operation is not None:
+            command["operation"] = _json(operation)
     w = _stamp(Mutation(head=head, runs=(run,), messages=messages, receipts=(new_receipt,)))
+    w = _recorded(w, now, event_id, "accept", command)
     yield Write(w)
     return build(
         _ACCEPTED, {"receipt": new_receipt, "run": w.runs[0], "version": head.version, "coalesced": target is not None}
@@ -557,6 +695,7 @@ def acquire_run(
     now: Timestamp,
     lease_expires_at: Timestamp | None = None,
     operation: RunOperation | None = None,
+    event_id: str = "",
 ) -> Operation[RunResult]:
     """Take ownership of a queued run: verifies no other run is acquired and that this run is first in
     execution order, then increments its revision and fencing token.
@@ -582,7 +721,12 @@ def acquire_run(
             f"cannot acquire run {run_id!r}: run {blocking.id!r} ({blocking.state}) goes first", **ctx
         )
     head, acquired, drafts = yield from _start(_bump(head, now), run, owner_id, lease_expires_at, operation, now)
-    w = _stamp(Mutation(head=head, runs=(acquired,), messages=drafts))
+    command: dict[str, Any] = {"run_id": run_id, "expected_revision": expected_revision, "owner_id": owner_id}
+    if lease_expires_at is not None:
+        command["lease_expires_at"] = _json(lease_expires_at)
+    if operation is not None:
+        command["operation"] = _json(operation)
+    w = _recorded(_stamp(Mutation(head=head, runs=(acquired,), messages=drafts)), now, event_id, "acquire", command)
     yield Write(w)
     return build(
         _RUN_RESULT_WITH_ASSISTANT,
@@ -676,6 +820,8 @@ def checkpoint_run_assistant(
     now: Timestamp,
     operation: RunOperation | None = None,
     usage: AgentUsage | None = None,
+    event_id: str = "",
+    events: Sequence[AgentStoreEventDraft] = (),
 ) -> Operation[RunResult]:
     """Write the run's streaming assistant draft (and, when given, its ``last_operation`` and cumulative
     ``usage`` in the same transaction). Verifies owner, fencing token and revision."""
@@ -687,8 +833,13 @@ def checkpoint_run_assistant(
     if usage is not None:
         changes["usage"] = usage
     updated = _evolve(run, head.version, revision=run.revision + 1, updated_at=now, **changes)
+    declared = yield from _declared(conversation_id, events)
+    sha, count, size = parts_digest(draft.parts)
+    command = _owned_command(run_id, expected_revision, owner_id, fencing_token)
+    command["assistant"] = {"id": draft.id, "status": "streaming", "sha256": sha, "parts": count, "bytes": size}
+    _with_spend(command, operation, usage)
     w = _stamp(Mutation(head=head, runs=(updated,), messages=(draft,)))
-    yield Write(w)
+    yield Write(_recorded(w, now, event_id, "checkpoint", command, declared))
     return build(_RUN_RESULT_WITH_ASSISTANT, {"run": w.runs[0], "version": head.version, "assistant": w.messages[0]})
 
 
@@ -702,6 +853,8 @@ def record_run_operation(
     operation: RunOperation,
     now: Timestamp,
     usage: AgentUsage | None = None,
+    event_id: str = "",
+    events: Sequence[AgentStoreEventDraft] = (),
 ) -> Operation[RunResult]:
     """Durably record the run's ``last_operation`` phase (a model request is admitted by this write), and
     its cumulative ``usage`` when given."""
@@ -711,7 +864,10 @@ def record_run_operation(
     head = _bump(head, now)
     spent = {"usage": usage} if usage is not None else {}
     updated = _evolve(run, head.version, revision=run.revision + 1, last_operation=operation, updated_at=now, **spent)
-    w = _stamp(Mutation(head=head, runs=(updated,)))
+    declared = yield from _declared(conversation_id, events)
+    command = _owned_command(run_id, expected_revision, owner_id, fencing_token)
+    _with_spend(command, operation, usage)
+    w = _recorded(_stamp(Mutation(head=head, runs=(updated,))), now, event_id, "operation", command, declared)
     yield Write(w)
     return build(_RUN_RESULT, {"run": w.runs[0], "version": head.version})
 
@@ -725,6 +881,7 @@ def renew_run_lease(
     fencing_token: int,
     lease_expires_at: Timestamp,
     now: Timestamp,
+    event_id: str = "",
 ) -> Operation[RunResult]:
     """Extend the owner's lease on an acquired run."""
     head = _live_head((yield LoadHead(conversation_id)), conversation_id)
@@ -732,13 +889,15 @@ def renew_run_lease(
     _check_owned(run, expected_revision, owner_id, fencing_token, "renew the lease of")
     head = _bump(head, now)
     updated = _evolve(run, head.version, revision=run.revision + 1, lease_expires_at=lease_expires_at, updated_at=now)
-    w = _stamp(Mutation(head=head, runs=(updated,)))
+    command = _owned_command(run_id, expected_revision, owner_id, fencing_token)
+    command["lease_expires_at"] = _json(lease_expires_at)
+    w = _recorded(_stamp(Mutation(head=head, runs=(updated,))), now, event_id, "lease", command)
     yield Write(w)
     return build(_RUN_RESULT, {"run": w.runs[0], "version": head.version})
 
 
 def request_run_interrupt(
-    *, conversation_id: str, run_id: str, expected_revision: int | None = None, now: Timestamp
+    *, conversation_id: str, run_id: str, expected_revision: int | None = None, now: Timestamp, event_id: str = ""
 ) -> Operation[InterruptResult]:
     """Durably ask an acquired run to stop (``running`` -> ``interrupt_requested``). Its executor commits
     the terminal; a queued or terminal run is reported, not changed."""
@@ -760,7 +919,10 @@ def request_run_interrupt(
         return InterruptResult(outcome="already_requested", run=run, version=head.version)
     head = _bump(head, now)
     updated = _evolve(run, head.version, state="interrupt_requested", revision=run.revision + 1, updated_at=now)
-    w = _stamp(Mutation(head=head, runs=(updated,)))
+    command: dict[str, Any] = {"run_id": run_id}
+    if expected_revision is not None:
+        command["expected_revision"] = expected_revision
+    w = _recorded(_stamp(Mutation(head=head, runs=(updated,))), now, event_id, "interrupt", command)
     yield Write(w)
     return InterruptResult(outcome="requested", run=w.runs[0], version=head.version)
 
@@ -779,6 +941,8 @@ def commit_run_terminal(
     absorb: Sequence[AbsorbClaim] = (),
     operation: RunOperation | None = None,
     usage: AgentUsage | None = None,
+    event_id: str = "",
+    events: Sequence[AgentStoreEventDraft] = (),
 ) -> Operation[TerminalResult]:
     """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
     and — only for a completed run — absorbs the claimed queued runs in the same transaction.
@@ -891,7 +1055,24 @@ def commit_run_terminal(
         )
         for r in absorbed
     )
+    declared = yield from _declared(conversation_id, events)
+    command = _owned_command(run_id, expected_revision, owner_id, fencing_token)
+    command["terminal_reason"] = terminal_reason
+    command["parts"] = _json(final_parts)  # the full final assistant, however the caller passed it
+    if policy_name is not None:
+        command["policy_name"] = policy_name
+    if absorb:
+        command["absorb"] = [
+            {
+                "run_id": c.run_id,
+                "expected_revision": c.expected_revision,
+                "input_message_ids": list(c.input_message_ids),
+            }
+            for c in absorb
+        ]
+    _with_spend(command, operation, usage)
     w = _stamp(Mutation(head=head, runs=(final, *absorbed_final), messages=tuple(settled)))
+    w = _recorded(w, now, event_id, "terminal", command, declared)
     yield Write(w)
     return build(
         _COMMITTED,
@@ -914,10 +1095,15 @@ def recover_run(
     now: Timestamp,
     replay_safe: bool = False,
     stale_owner: bool = False,
+    event_id: str = "",
+    parts: Sequence[Part] | None = None,
 ) -> Operation[RecoverResult]:
     """Settle an orphaned run with explicit evidence: ``requeue`` an acquired run (needs ``replay_safe``)
     so it runs again first in order, or ``abandon`` an active run (needs ``stale_owner``): the run ends
-    ``abandoned`` with a failed assistant, removed from recovery."""
+    ``abandoned`` with a failed assistant, removed from recovery.
+
+    ``parts`` (replay only: :mod:`threadline.store.replay`) is the failed assistant's content as the
+    abandon recorded it, for a draft whose content the journal holds only as a digest."""
     if action == "requeue" and not replay_safe:
         raise AgentRecordValidationError("requeue needs replay_safe=True evidence", field="replay_safe")
     if action == "abandon" and not stale_owner:
@@ -944,7 +1130,13 @@ def recover_run(
             revision=run.revision + 1,
             updated_at=now,
         )
-        w = _stamp(Mutation(head=head, runs=(requeued,)))
+        command: dict[str, Any] = {
+            "run_id": run_id,
+            "expected_revision": expected_revision,
+            "action": action,
+            "replay_safe": replay_safe,
+        }
+        w = _recorded(_stamp(Mutation(head=head, runs=(requeued,))), now, event_id, "recover", command)
         yield Write(w)
         return RecoverResult(outcome="requeued", run=w.runs[0], assistant=None, version=head.version)
 
@@ -964,6 +1156,8 @@ def recover_run(
         )
     else:
         assistant = evolve(assistant, {"status": "failed"})
+    if parts is not None:
+        assistant = evolve(assistant, {"parts": tuple(parts)})
     inputs = [found[mid] for mid in run.input_message_ids if mid in found]
     position, settled = _settle(head.settled_position, [*inputs, assistant], head.version + 1)
     head = _bump(head, now, message_seq=seq, settled_position=position)
@@ -977,7 +1171,16 @@ def recover_run(
         terminal_at=now,
         updated_at=now,
     )
-    w = _stamp(Mutation(head=head, runs=(final,), messages=tuple(settled)))
+    command = {
+        "run_id": run_id,
+        "expected_revision": expected_revision,
+        "action": action,
+        "stale_owner": stale_owner,
+        "parts": _json(settled[-1].parts),  # the full failed assistant, kept with the abandon
+    }
+    w = _recorded(
+        _stamp(Mutation(head=head, runs=(final,), messages=tuple(settled))), now, event_id, "recover", command
+    )
     yield Write(w)
     return RecoverResult(outcome="abandoned", run=w.runs[0], assistant=w.messages[-1], version=head.version)
 
@@ -992,6 +1195,7 @@ def replace_compacted_range(
     replaced_message_ids: Sequence[str],
     summary: MessageDraft,
     now: Timestamp,
+    event_id: str = "",
 ) -> Operation[CompactionResult]:
     """Replace one contiguous range of settled, active history with a ``summary`` message at the exact
     snapshot version. A moved version is a ``conflict`` outcome and nothing is written."""
@@ -1044,7 +1248,8 @@ def replace_compacted_range(
     head = _bump(head, now, message_seq=seq)
     written = _message(summary, conversation_id, status="committed", seq=seq, now=now, position=hi)
     inactive = tuple(evolve(m, {"active": False, "compacted_by": written.id}) for m in replaced)
-    w = _stamp(Mutation(head=head, messages=(*inactive, written)))
+    command = {"expected_version": expected_version, "replaced_message_ids": list(ids), "summary": _json(summary)}
+    w = _recorded(_stamp(Mutation(head=head, messages=(*inactive, written))), now, event_id, "compact", command)
     yield Write(w)
     return CompactionResult(outcome="applied", version=head.version, summary=w.messages[-1], replaced_message_ids=ids)
 
@@ -1056,6 +1261,7 @@ def seed_conversation_input(
     inputs: Sequence[MessageDraft],
     now: Timestamp,
     placement: Literal["lead", "after-settled"] = "lead",
+    event_id: str = "",
 ) -> Operation[SeedResult]:
     """Write messages no run owns, exactly once per ``seed_key``. ``lead``: user/system instructions before
     the whole conversation. ``after-settled``: a user/assistant exchange that happened without a model,
@@ -1104,7 +1310,9 @@ def seed_conversation_input(
         version=head.version,
         created_at=now,
     )
-    yield Write(_stamp(Mutation(head=head, messages=tuple(messages), seeds=(record,))))
+    command = {"seed_key": seed_key, "inputs": _json(list(inputs)), "placement": placement}
+    w = _stamp(Mutation(head=head, messages=tuple(messages), seeds=(record,)))
+    yield Write(_recorded(w, now, event_id, "seed", command))
     return SeedResult(outcome="seeded", version=head.version, message_ids=ids)
 
 
@@ -1299,3 +1507,153 @@ def page_messages(
         compacted=tuple(m.id for _, m in page if not m.active),
         next_cursor=json.dumps(list(next_key)) if next_key is not None else None,
     )
+
+
+# ------------------------------------------------------------------------------------------- the ledger
+
+
+def read_events(
+    *, conversation_id: str, from_seq: int = 1, to_seq: int | None = None, limit: int = DEFAULT_EVENT_PAGE
+) -> Operation[AgentStoreEventPage]:
+    """One page of the ledger from ``from_seq`` (through ``to_seq`` when given), bounded by the head's last
+    ``seq``: ``next_seq`` names where the next page starts, only when more events remain in the range."""
+    if type(from_seq) is not int or from_seq < 1:
+        raise AgentRecordValidationError(f"from_seq is an integer >= 1, got {from_seq!r}", field="from_seq")
+    if to_seq is not None and (type(to_seq) is not int or to_seq < from_seq):
+        raise AgentRecordValidationError(
+            f"to_seq is an integer >= from_seq ({from_seq}), got {to_seq!r}", field="to_seq"
+        )
+    if type(limit) is not int or not 1 <= limit <= MAX_EVENT_PAGE:
+        raise AgentRecordValidationError(
+            f"limit must be between 1 and {MAX_EVENT_PAGE}, got {limit!r}; page with next_seq", field="limit"
+        )
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None:
+        return AgentStoreEventPage()
+    last = state.head.event_seq if to_seq is None else min(to_seq, state.head.event_seq)
+    if from_seq > last:
+        return AgentStoreEventPage()
+    events: list[AgentStoreEvent] = yield LoadEvents(conversation_id, from_seq, last, limit)
+    more = bool(events) and events[-1].seq < last
+    return AgentStoreEventPage(items=tuple(events), next_seq=events[-1].seq + 1 if more else None)
+
+
+def append_event(
+    *,
+    conversation_id: str,
+    draft: AgentStoreEventDraft,
+    now: Timestamp,
+    occurred_at: Timestamp | None = None,
+    event_id: str = "",
+) -> Operation[AgentStoreEvent]:
+    """Append one declared event after the conversation's last (its head counts it; the conversation
+    version does not move: no message or run changed). A ``provider/message`` body the ledger holds is not
+    written again; its first event is the answer."""
+    state: HeadState = yield LoadHead(conversation_id)
+    _not_purged(state, conversation_id)
+    head = state.head or _new_head(conversation_id, now)
+    if draft.kind == "provider/message":
+        sha = draft.payload["sha256"]  # type: ignore[index,call-overload]
+        found: list[tuple[str, int]] = yield LoadProviderBodies(conversation_id, (sha,))
+        if found:
+            (existing,) = yield LoadEvents(conversation_id, found[0][1], found[0][1], 1)
+            return existing
+    head, (event,) = _events(head, occurred_at or now, event_id, [(draft.kind, draft.payload, draft.ignorable)])
+    yield Write(Mutation(head=head, events=(event,)))
+    return event
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationRows:
+    """Everything a conversation owns, as one read transaction saw it (export) or as an import writes it."""
+
+    head: ConversationHead
+    messages: tuple[Message, ...]
+    runs: tuple[Run, ...]
+    receipts: tuple[AdmissionReceipt, ...]
+    seeds: tuple[SeedRecord, ...]
+    events: tuple[AgentStoreEvent, ...]
+
+
+def load_conversation_rows(*, conversation_id: str) -> Operation[ConversationRows]:
+    """Every row of the conversation, compacted messages and the whole ledger included (export: unbounded
+    by design, read in pages of the largest event page inside one transaction)."""
+    state: HeadState = yield LoadHead(conversation_id)
+    head = _live_head(state, conversation_id)
+    messages: list[Message] = yield LoadMessagesSince(conversation_id, -1, True)
+    runs: list[Run] = yield LoadAllRuns(conversation_id)
+    receipts: list[AdmissionReceipt] = yield LoadAllReceipts(conversation_id)
+    seeds: list[SeedRecord] = yield LoadAllSeeds(conversation_id)
+    events: list[AgentStoreEvent] = []
+    while len(events) < head.event_seq:
+        page: list[AgentStoreEvent] = yield LoadEvents(conversation_id, len(events) + 1, head.event_seq, MAX_EVENT_PAGE)
+        if not page:
+            break
+        events += page
+    return ConversationRows(
+        head=head,
+        messages=tuple(sorted(messages, key=lambda m: m.seq)),
+        runs=tuple(sorted(runs, key=lambda r: r.admission_sequence)),
+        receipts=tuple(sorted(receipts, key=lambda r: (r.version, r.idempotency_key))),
+        seeds=tuple(sorted(seeds, key=lambda s: (s.version, s.seed_key))),
+        events=tuple(events),
+    )
+
+
+def restore_conversation(*, rows: ConversationRows) -> Operation[None]:
+    """Write a whole conversation (validated by the caller) where none exists: an existing or purged
+    conversation of that id is refused, and nothing is written."""
+    cid = rows.head.conversation_id
+    state: HeadState = yield LoadHead(cid)
+    _not_purged(state, cid)
+    if state.head is not None:
+        raise AgentIdempotencyConflictError(
+            f"conversation {cid!r} already exists in this store; import only into a store without it "
+            "(or branch into a new conversation id)",
+            conversation_id=cid,
+        )
+    yield Write(
+        Mutation(
+            head=rows.head,
+            runs=rows.runs,
+            messages=rows.messages,
+            receipts=rows.receipts,
+            seeds=rows.seeds,
+            events=rows.events,
+        )
+    )
+
+
+def baseline_rows(
+    *,
+    head: ConversationHead,
+    messages: Sequence[Message],
+    runs: Sequence[Run],
+    receipts: Sequence[AdmissionReceipt],
+    seeds: Sequence[SeedRecord],
+    now: Timestamp,
+    event_id: str = "",
+) -> tuple[ConversationHead, AgentStoreEvent]:
+    """A conversation that predates the ledger (a database migrated to it) as one ``runtime/baseline``
+    event at seq 1, dated ``now`` (the migration), ``as_of`` the last message it describes, naming the
+    compacted messages; and its head, which counts that event. New transitions continue after it."""
+    if head.event_seq:
+        raise AssertionError(f"conversation {head.conversation_id!r} has a ledger already")
+    head = evolve(head, {"event_seq": 1})
+    as_of = max((m.created_at for m in messages), default=None)
+    payload: dict[str, Any] = {
+        "compacted": [m.id for m in messages if not m.active],
+        "head": _json(head),
+        "messages": _json(list(messages)),
+        "runs": [_json_run(r) for r in runs],
+        "receipts": _json(list(receipts)),
+        "seeds": _json(list(seeds)),
+    }
+    if as_of is not None:
+        payload["as_of"] = _json(as_of)
+    _, (event,) = _events(evolve(head, {"event_seq": 0}), now, event_id, [("runtime/baseline", payload, None)])
+    return head, event
+
+
+def _json_run(run: Run) -> Any:
+    return to_jsonable_python(run, exclude_none=True, context=STORAGE)

@@ -56,6 +56,7 @@ from ..errors import (
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
+from ..ledger.events import AgentStoreEvent
 from ..records import (
     ACTIVE_RUN_STATES,
     AdmissionReceipt,
@@ -68,17 +69,21 @@ from ..records import (
     ToolResultPart,
 )
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, encode as _encode, encode_with, foreign
+from .codec import RecordCache, decode, encode as _encode, encode_with, event_digest, foreign, pack, unpack
 from .driver import (
     Access,
     HeadState,
     ListActiveRuns,
     ListConversations,
+    LoadAllReceipts,
     LoadAllRuns,
+    LoadAllSeeds,
+    LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
+    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -95,6 +100,7 @@ from .driver import (
     Write,
     drive_sync,
 )
+from .reducer import baseline_rows
 
 __all__ = [
     "SQLITE_SCHEMA_VERSION",
@@ -105,7 +111,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-SQLITE_SCHEMA_VERSION = 4
+SQLITE_SCHEMA_VERSION = 5
 """The version of the ``threadline_*`` table layout this driver reads and writes. Opening a file of an
 earlier version migrates it forward in one transaction (``_MIGRATIONS``); a later version is refused."""
 
@@ -137,7 +143,7 @@ _TEXT_OF = (
     "WHERE json_extract(p.value, '$.type') = 'text')"
 )
 
-_GUARDED = ("conversations", "runs", "messages", "admissions", "seeds")
+_GUARDED = ("conversations", "runs", "messages", "admissions", "seeds", "events")
 
 _TABLES: dict[str, str] = {
     "threadline_meta": "CREATE TABLE threadline_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
@@ -171,6 +177,12 @@ _TABLES: dict[str, str] = {
         "PRIMARY KEY (conversation_id, seed_key))"
     ),
     "threadline_fts_queue": ("CREATE TABLE threadline_fts_queue (row_id INTEGER PRIMARY KEY, stale INTEGER NOT NULL)"),
+    # the ledger: one append-only journal per conversation. A rowid table (bodies are larger than an index
+    # entry should be), appended in seq order; ``digest`` is set for provider/message bodies only
+    "threadline_events": (
+        "CREATE TABLE threadline_events (row_id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL, "
+        "seq INTEGER NOT NULL, kind TEXT NOT NULL, digest TEXT, body TEXT NOT NULL, UNIQUE (conversation_id, seq))"
+    ),
     "threadline_message_fts": (
         "CREATE VIRTUAL TABLE threadline_message_fts USING fts5(text, conversation_id UNINDEXED, message_id UNINDEXED)"
     ),
@@ -199,6 +211,11 @@ _INDEXES: dict[str, str] = {
     ),
     "threadline_admissions_input": (
         "CREATE UNIQUE INDEX threadline_admissions_input ON threadline_admissions (conversation_id, input_message_id)"
+    ),
+    # a provider/message body is written once per conversation: found by its digest, never by a scan
+    "threadline_events_bodies": (
+        "CREATE UNIQUE INDEX threadline_events_bodies ON threadline_events (conversation_id, digest) "
+        "WHERE digest IS NOT NULL"
     ),
 }
 
@@ -264,8 +281,14 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "UPDATE threadline_runs SET assistant_message_id = json_extract(body, '$.assistant_message_id')",
         _INDEXES["threadline_runs_assistant"],
     ),
+    # 4 -> 5: the event ledger; every existing conversation gets its runtime/baseline at seq 1 (``_baselines``)
+    4: (
+        _TABLES["threadline_events"],
+        _INDEXES["threadline_events_bodies"],
+        _TRIGGERS["threadline_events_purged_guard"],
+    ),
 }
-"""The statements that bring schema version ``n`` to ``n + 1``."""
+"""The statements that bring schema version ``n`` to ``n + 1`` (4 -> 5 also writes the baselines)."""
 
 # ------------------------------------------------------------------------------------------- statements
 
@@ -345,7 +368,15 @@ _INSERT_RECEIPT = (
     "INSERT INTO threadline_admissions (conversation_id, idempotency_key, input_message_id, body) VALUES (?, ?, ?, ?)"
 )
 _INSERT_SEED = "INSERT INTO threadline_seeds (conversation_id, seed_key, body) VALUES (?, ?, ?)"
+_INSERT_EVENT = "INSERT INTO threadline_events (conversation_id, seq, kind, digest, body) VALUES (?, ?, ?, ?, ?)"
+_EVENTS = (
+    "SELECT seq, body FROM threadline_events WHERE conversation_id = ? AND seq BETWEEN ? AND ? ORDER BY seq LIMIT ?"
+)
+_BODIES = "SELECT digest, seq FROM threadline_events WHERE conversation_id = ? AND digest IN ({})"
+_ALL_RECEIPTS = "SELECT idempotency_key, body FROM threadline_admissions WHERE conversation_id = ?"
+_ALL_SEEDS = "SELECT seed_key, body FROM threadline_seeds WHERE conversation_id = ?"
 _PURGE = (
+    "DELETE FROM threadline_events WHERE conversation_id = ?",
     "DELETE FROM threadline_messages WHERE conversation_id = ?",
     "DELETE FROM threadline_runs WHERE conversation_id = ?",
     "DELETE FROM threadline_admissions WHERE conversation_id = ?",
@@ -682,6 +713,36 @@ class _SqliteRows:
             rows = self.cur.execute(_CONVERSATIONS_AFTER, (r.after, r.limit)).fetchall()
         return [self._head(cid, body) for cid, body in rows]
 
+    def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]:
+        cid = r.conversation_id
+        rows = self.cur.execute(_EVENTS, (cid, _clamp(r.from_seq), _clamp(r.to_seq), r.limit)).fetchall()
+        out = []
+        for seq, body in rows:
+            event = decode(AgentStoreEvent, unpack(body), f"threadline_events conversation_id={cid} seq={seq}")
+            if event.conversation_id != cid or event.seq != seq:
+                where = f"threadline_events conversation_id={cid} seq={seq}"
+                raise foreign("AgentStoreEvent", where, f"{cid}/{seq}", f"{event.conversation_id}/{event.seq}")
+            out.append(event)
+        return out
+
+    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+        found: list[tuple[str, int]] = []
+        for chunk in _chunks(tuple(dict.fromkeys(r.shas))):
+            sql = _BODIES.format(", ".join("?" * len(chunk)))
+            found += self.cur.execute(sql, (r.conversation_id, *chunk)).fetchall()
+        return found
+
+    def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]:
+        rows = self.cur.execute(_ALL_RECEIPTS, (r.conversation_id,)).fetchall()
+        return [self._receipt(r.conversation_id, row) for row in rows]  # type: ignore[misc]
+
+    def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]:
+        out = []
+        for key, body in self.cur.execute(_ALL_SEEDS, (r.conversation_id,)).fetchall():
+            where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={key}"
+            out.append(self.cache.get(SeedRecord, body, lambda where=where: where))
+        return out
+
     def write(self, r: Write) -> None:
         self._begin_write("wrote")
         m = r.mutation
@@ -716,6 +777,12 @@ class _SqliteRows:
                     conn.executemany(_INSERT_RECEIPT, receipts)
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
+            if m.events:
+                events = [(cid, e.seq, e.kind, event_digest(e), pack(encode(e))) for e in m.events]
+                if len(events) == 1:
+                    conn.execute(_INSERT_EVENT, events[0])
+                else:
+                    conn.executemany(_INSERT_EVENT, events)
         except sqlite3.IntegrityError as error:
             if getattr(error, "sqlite_errorcode", None) == _SQLITE_CONSTRAINT_TRIGGER:
                 # only the purge guards RAISE in a threadline trigger: a writer that did not see the tombstone
@@ -995,6 +1062,9 @@ class SqliteStoreDriver:
     (those run on the calling thread), ``transaction_ns`` (wall time inside transactions, ``BEGIN`` to
     ``COMMIT``, on either thread) and ``checkpoints``; ``operations / transactions`` is the mean batch size.
     """
+
+    ledger = True
+    """This driver keeps the event ledger (``threadline_events``)."""
 
     def __init__(
         self,
@@ -1319,6 +1389,8 @@ class SqliteStoreDriver:
             for step in range(version, SQLITE_SCHEMA_VERSION):
                 for sql in _MIGRATIONS[step]:
                     conn.execute(sql)
+                if step == 4:
+                    self._baselines(conn)
         except sqlite3.OperationalError as error:  # an object the earlier version had is missing
             raise AgentStoreSchemaError(
                 f"{self.filename}: cannot migrate threadline schema version {version} to "
@@ -1326,6 +1398,40 @@ class SqliteStoreDriver:
             ) from error
         conn.execute("UPDATE threadline_meta SET value = ? WHERE key = 'schema_version'", (str(SQLITE_SCHEMA_VERSION),))
         self._inspect(conn)  # complete at the new version, or refused (and rolled back)
+
+    def _baselines(self, conn: sqlite3.Connection) -> None:
+        """Give every existing conversation its ``runtime/baseline`` at seq 1 (inside the migration's
+        transaction), one conversation at a time: its rows as they stand, dated now."""
+        migrated_at = datetime.now(UTC)
+        cids = [cid for (cid,) in conn.execute("SELECT conversation_id FROM threadline_conversations")]
+        for cid in cids:
+
+            def rows(sql: str, cid: str = cid) -> list[str]:
+                return [body for (body,) in conn.execute(sql, (cid,))]
+
+            head_body = rows("SELECT body FROM threadline_conversations WHERE conversation_id = ?")[0]
+            head, event = baseline_rows(
+                head=decode(ConversationHead, head_body, f"threadline_conversations conversation_id={cid}"),
+                messages=[
+                    decode(Message, b, f"threadline_messages conversation_id={cid}")
+                    for b in rows("SELECT body FROM threadline_messages WHERE conversation_id = ? ORDER BY seq")
+                ],
+                runs=[
+                    decode(Run, b, f"threadline_runs conversation_id={cid}")
+                    for b in rows("SELECT body FROM threadline_runs WHERE conversation_id = ? ORDER BY rowid")
+                ],
+                receipts=[
+                    decode(AdmissionReceipt, b, f"threadline_admissions conversation_id={cid}")
+                    for b in rows("SELECT body FROM threadline_admissions WHERE conversation_id = ?")
+                ],
+                seeds=[
+                    decode(SeedRecord, b, f"threadline_seeds conversation_id={cid}")
+                    for b in rows("SELECT body FROM threadline_seeds WHERE conversation_id = ?")
+                ],
+                now=migrated_at,
+            )
+            conn.execute(_UPDATE_HEAD, (head.version, _encode(head), cid))
+            conn.execute(_INSERT_EVENT, (cid, event.seq, event.kind, None, pack(_encode(event))))
 
     def _transaction(self, operation: Callable[[], Operation[T]], access: Access, stats: OperationStats) -> T:
         """Run one operation inside the batch's open transaction (``bench/`` wraps this hook to time it).

@@ -97,6 +97,9 @@ class PostgresStoreDriver:
     the operation again). ``retries`` counts transactions run again.
     """
 
+    ledger = True
+    """This driver keeps the event ledger (``threadline_events``)."""
+
     def __init__(
         self,
         *,

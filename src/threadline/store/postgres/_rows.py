@@ -12,18 +12,23 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from ...ledger.events import AgentStoreEvent
 from ...records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
-from ..codec import RecordCache, decode, foreign
+from ..codec import RecordCache, decode, event_digest, foreign
 from ..driver import (
     Access,
     HeadState,
     ListActiveRuns,
     ListConversations,
+    LoadAllReceipts,
     LoadAllRuns,
+    LoadAllSeeds,
+    LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
+    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -210,6 +215,18 @@ class PostgresRows:
         if kind is ListConversations:
             assert isinstance(r, ListConversations)
             return x("conversations_first", r.limit) if r.after is None else x("conversations_after", r.after, r.limit)
+        if kind is LoadEvents:
+            assert isinstance(r, LoadEvents)
+            return x("events", r.conversation_id, clamp(r.from_seq), clamp(r.to_seq), r.limit)
+        if kind is LoadProviderBodies:
+            assert isinstance(r, LoadProviderBodies)
+            if not r.shas:
+                return None
+            return x("provider_bodies", r.conversation_id, list(dict.fromkeys(r.shas)))
+        if kind is LoadAllReceipts:
+            return x("all_receipts", r.conversation_id)  # type: ignore[attr-defined]
+        if kind is LoadAllSeeds:
+            return x("all_seeds", r.conversation_id)  # type: ignore[attr-defined]
         raise AssertionError(f"no statement answers {kind.__name__}")
 
     def _lock(self, conversation_id: str, into: list[bytes | str | Guard] | None = None) -> None:
@@ -379,6 +396,9 @@ class PostgresRows:
             guard.absent_keys[r.idempotency_key] = None  # type: ignore[attr-defined]
         elif kind is LoadReceiptByInput:
             guard.absent_inputs[r.input_message_id] = None  # type: ignore[attr-defined]
+        elif kind is LoadProviderBodies:
+            # a body a request carries is usually new to the conversation: claimed absent, checked by the guard
+            guard.absent_bodies.update(dict.fromkeys(r.shas))  # type: ignore[attr-defined]
         elif kind is LoadRunsByAssistant:
             ids = r.message_ids  # type: ignore[attr-defined]
             if any(run.assistant_message_id in ids for run in self._remembered_runs(hint)):
@@ -558,6 +578,35 @@ class PostgresRows:
     async def list_conversations(self, r: ListConversations) -> list[ConversationHead]:
         return [self._head(cid, body) for cid, body in await self._rows(r)]
 
+    async def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]:
+        cid = r.conversation_id
+        out = []
+        for seq, body in await self._rows(r):
+            where = f"threadline_events conversation_id={cid} seq={seq}"
+            event = decode(AgentStoreEvent, body, where)
+            if event.conversation_id != cid or event.seq != seq:
+                raise foreign("AgentStoreEvent", where, f"{cid}/{seq}", f"{event.conversation_id}/{event.seq}")
+            out.append(event)
+        return out
+
+    async def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+        return [(sha, int(seq)) for sha, seq in await self._rows(r)] if r.shas else []
+
+    async def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]:
+        out = []
+        for row in await self._rows(r):
+            receipt = self._receipt(r.conversation_id, [row])
+            assert receipt is not None
+            out.append(receipt)
+        return out
+
+    async def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]:
+        out = []
+        for key, body in await self._rows(r):
+            where = f"threadline_seeds conversation_id={r.conversation_id} seed_key={key}"
+            out.append(self.cache.get(SeedRecord, body, lambda where=where: where))
+        return out
+
     async def write(self, r: Write) -> None:
         if not self.writable:
             raise AssertionError("a read operation wrote")
@@ -606,6 +655,8 @@ class PostgresRows:
             pending.append(x("insert_receipt", rc.conversation_id, rc.idempotency_key, rc.input.id, encode(rc)))
         for seed in m.seeds:
             pending.append(x("insert_seed", seed.conversation_id, seed.seed_key, encode(seed)))
+        for event in m.events:
+            pending.append(x("insert_event", cid, event.seq, event.kind, event_digest(event), encode(event)))
 
     def _verb(self, table: str, cid: str, key: str) -> str:
         """``update`` for a row known to exist, else ``upsert``; either way the row exists afterwards."""

@@ -4,6 +4,7 @@ forward-only migrations that create them (:func:`migrate`)."""
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -13,8 +14,11 @@ from ...errors import (
     AgentRecordValidationError,
     AgentStoreSchemaError,
 )
+from ...records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
+from ..codec import decode, encode
+from ..reducer import baseline_rows
 
-POSTGRES_SCHEMA_VERSION = 3
+POSTGRES_SCHEMA_VERSION = 4
 """The version of the ``threadline_*`` layout this driver reads and writes (``threadline_meta``)."""
 
 DEFAULT_SCHEMA = "threadline"
@@ -27,7 +31,7 @@ PURGED_SQLSTATE = "TLP01"  # raised by the purge guard trigger
 # {s} is the quoted schema identifier. Ids compare byte-wise (COLLATE "C"), exactly like Python strings,
 # whatever the database's default collation is: paging order never depends on the server's locale.
 _ID = 'text COLLATE "C" NOT NULL'
-_GUARDED = ("conversations", "runs", "messages", "admissions", "seeds")
+_GUARDED = ("conversations", "runs", "messages", "admissions", "seeds")  # + events, from layout 4
 
 _TABLES_V1: dict[str, str] = {
     "threadline_meta": "CREATE TABLE {s}.threadline_meta (key text PRIMARY KEY, value text NOT NULL)",
@@ -109,6 +113,27 @@ _INDEXES_V3: dict[str, str] = {
     ),
 }
 
+_TABLES_V4: dict[str, str] = {
+    # the ledger: one append-only journal per conversation; ``digest`` is set for provider/message bodies
+    "threadline_events": (
+        f"CREATE TABLE {{s}}.threadline_events (conversation_id {_ID}, seq bigint NOT NULL, kind text NOT NULL, "
+        "digest text, body text NOT NULL, PRIMARY KEY (conversation_id, seq))"
+    ),
+}
+_INDEXES_V4: dict[str, str] = {
+    # a provider/message body is written once per conversation: found by its digest, never by a scan
+    "threadline_events_bodies": (
+        "CREATE UNIQUE INDEX threadline_events_bodies ON {s}.threadline_events (conversation_id, digest) "
+        "WHERE digest IS NOT NULL"
+    ),
+}
+_TRIGGERS_V4: dict[str, str] = {
+    "threadline_events_purged_guard": (
+        "CREATE TRIGGER threadline_events_purged_guard BEFORE INSERT ON {s}.threadline_events "
+        "FOR EACH ROW EXECUTE FUNCTION {s}.threadline_purged_guard()"
+    ),
+}
+
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (*_TABLES_V1.values(), *_INDEXES_V1.values(), _GUARD_FUNCTION, *_TRIGGERS_V1.values()),
     # 2: runs found by their answer id, through an expression on the body (parsed at every run write)
@@ -123,11 +148,13 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "UPDATE {s}.threadline_runs SET assistant_message_id = (body::jsonb) ->> 'assistant_message_id'",
         *_INDEXES_V3.values(),
     ),
+    # 4: the event ledger (and each existing conversation's runtime/baseline: :func:`_baselines`)
+    4: (*_TABLES_V4.values(), *_INDEXES_V4.values(), *_TRIGGERS_V4.values()),
 }
 """Forward-only: migration ``n`` takes the layout from version ``n - 1`` to ``n`` (0 is empty)."""
 
-_REQUIRED_RELATIONS = (*_TABLES_V1, *_INDEXES_V1, *_INDEXES_V3)
-_REQUIRED_TRIGGERS = tuple(_TRIGGERS_V1)
+_REQUIRED_RELATIONS = (*_TABLES_V1, *_INDEXES_V1, *_INDEXES_V3, *_TABLES_V4, *_INDEXES_V4)
+_REQUIRED_TRIGGERS = (*_TRIGGERS_V1, *_TRIGGERS_V4)
 
 
 def render(template: str, schema: str) -> str:
@@ -164,6 +191,8 @@ async def migrate(conn: psycopg.AsyncConnection[Any], schema: str) -> int:
         for version in range(found + 1, POSTGRES_SCHEMA_VERSION + 1):
             for statement in _MIGRATIONS[version]:
                 await cur.execute(render(statement, schema), prepare=False)
+            if version == 4 and found:  # a new schema has no conversation to give a baseline
+                await _baselines(cur, schema)
         if found < POSTGRES_SCHEMA_VERSION:
             await cur.execute(
                 render(
@@ -176,6 +205,44 @@ async def migrate(conn: psycopg.AsyncConnection[Any], schema: str) -> int:
             )
         await _check_complete(cur, schema)
     return found
+
+
+async def _baselines(cur: psycopg.AsyncCursor[Any], schema: str) -> None:
+    """Give every existing conversation its ``runtime/baseline`` at seq 1, inside the migration's
+    transaction, one conversation at a time: its rows as they stand, dated now."""
+    migrated_at = datetime.now(UTC)
+    await cur.execute(render("SELECT conversation_id FROM {s}.threadline_conversations", schema), prepare=False)
+    cids = [cid for (cid,) in await cur.fetchall()]
+    for cid in cids:
+
+        async def bodies(table: str, order: str = "", cid: str = cid) -> list[str]:
+            statement = render(f"SELECT body FROM {{s}}.{table} WHERE conversation_id = %s {order}", schema)
+            await cur.execute(statement, (cid,), prepare=False)
+            return [body for (body,) in await cur.fetchall()]
+
+        where = f"schema {schema!r} conversation {cid!r}"
+        head, event = baseline_rows(
+            head=decode(ConversationHead, (await bodies("threadline_conversations"))[0], where),
+            messages=[decode(Message, b, where) for b in await bodies("threadline_messages", "ORDER BY seq")],
+            runs=[decode(Run, b, where) for b in await bodies("threadline_runs", "ORDER BY row_id")],
+            receipts=[decode(AdmissionReceipt, b, where) for b in await bodies("threadline_admissions")],
+            seeds=[decode(SeedRecord, b, where) for b in await bodies("threadline_seeds")],
+            now=migrated_at,
+        )
+        await cur.execute(
+            render("UPDATE {s}.threadline_conversations SET body = %s WHERE conversation_id = %s", schema),
+            (encode(head), cid),
+            prepare=False,
+        )
+        await cur.execute(
+            render(
+                "INSERT INTO {s}.threadline_events (conversation_id, seq, kind, digest, body) "
+                "VALUES (%s, %s, %s, NULL, %s)",
+                schema,
+            ),
+            (cid, event.seq, event.kind, encode(event)),
+            prepare=False,
+        )
 
 
 async def _schema_version(cur: psycopg.AsyncCursor[Any], schema: str) -> int:

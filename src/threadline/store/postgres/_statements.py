@@ -162,6 +162,25 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "INSERT INTO {s}.threadline_seeds (conversation_id, seed_key, body) VALUES ($1, $2, $3)",
     ),
     "notify": ("text, text", "SELECT pg_notify($1, $2)"),
+    "insert_event": (
+        "text, bigint, text, text, text",
+        "INSERT INTO {s}.threadline_events (conversation_id, seq, kind, digest, body) VALUES ($1, $2, $3, $4, $5)",
+    ),
+    "events": (
+        "text, bigint, bigint, bigint",
+        "SELECT seq, body FROM {s}.threadline_events WHERE conversation_id = $1 AND seq BETWEEN $2 AND $3 "
+        "ORDER BY seq LIMIT $4",
+    ),
+    "provider_bodies": (
+        "text, text[]",
+        "SELECT digest, seq FROM {s}.threadline_events WHERE conversation_id = $1 AND digest = ANY($2)",
+    ),
+    "all_receipts": (
+        "text",
+        "SELECT idempotency_key, body FROM {s}.threadline_admissions WHERE conversation_id = $1",
+    ),
+    "all_seeds": ("text", "SELECT seed_key, body FROM {s}.threadline_seeds WHERE conversation_id = $1"),
+    "purge_events": ("text", "DELETE FROM {s}.threadline_events WHERE conversation_id = $1"),
     "purge_messages": ("text", "DELETE FROM {s}.threadline_messages WHERE conversation_id = $1"),
     "purge_runs": ("text", "DELETE FROM {s}.threadline_runs WHERE conversation_id = $1"),
     "purge_admissions": ("text", "DELETE FROM {s}.threadline_admissions WHERE conversation_id = $1"),
@@ -213,6 +232,10 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_admissions WHERE conversation_id = $1 "
         "AND input_message_id = ANY(${0}))",
     ),
+    "no_bodies": (  # no provider/message body with these digests (threadline_events_bodies)
+        ("text[]",),
+        "NOT EXISTS (SELECT 1 FROM {s}.threadline_events WHERE conversation_id = $1 AND digest = ANY(${0}))",
+    ),
     "no_answers": (  # no run's answer has these ids (threadline_runs_assistant)
         ("text[]",),
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_runs WHERE conversation_id = $1 "
@@ -221,7 +244,15 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 _DIGEST = "encode(sha256(convert_to(body, 'UTF8')), 'hex')"  # :func:`digest` on the server, any encoding
 
-PURGE_ORDER = ("purge_messages", "purge_runs", "purge_admissions", "purge_seeds", "purge_head", "insert_tombstone")
+PURGE_ORDER = (
+    "purge_events",
+    "purge_messages",
+    "purge_runs",
+    "purge_admissions",
+    "purge_seeds",
+    "purge_head",
+    "insert_tombstone",
+)
 BEGIN_WRITE = b"BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE"
 BEGIN_READ = b"BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
 # Every statement here is keyed by the conversation (an index lookup whatever the values), so one generic

@@ -2,8 +2,9 @@
 package with ``executable_path``; Playwright downloads no browser).
 
 A person's session: open the page, submit, watch the answer stream, interrupt it, ask for something that
-needs approval, approve it, reload and find the same state. And the page's control-view rules (its
-JavaScript reducer) give what :mod:`threadline.delivery` gives on the same events, a gap included.
+needs approval, approve it, reload and find the same state (and the ledger's timeline). And the page's
+control-view rules (its JavaScript reducer) give what :mod:`threadline.delivery` gives on the same events,
+a gap included.
 
 Outside CI a missing ``chromium`` or ``playwright`` skips with the reason; ``.ci/run`` installs both and sets
 ``THREADLINE_REQUIRE_BROWSER=1``, which turns the skip into a failure.
@@ -179,6 +180,15 @@ async def test_a_session_in_the_inspector_survives_a_reload(chromium: Any) -> No
         await page.wait_for_function(f"document.querySelectorAll('#runs tbody tr').length === {len(before['runs'])}")
         after = await shown()
         assert after == before
+        # the ledger's timeline: every transition the store committed, in seq order
+        await page.wait_for_selector("#ledger tr[data-kind='runtime/transition'] >> text=terminal")
+        timeline = await page.locator("#ledger tr").evaluate_all(
+            "rows => rows.map(r => [Number(r.cells[0].textContent), r.cells[3].textContent])"
+        )
+        seqs = [seq for seq, _summary in timeline]
+        assert seqs == sorted(seqs) and seqs[0] == 1
+        commands = [summary.split(" · ")[0] for _seq, summary in timeline]
+        assert {"accept", "interrupt", "terminal"} <= set(commands)
         assert await page.locator("#conversations a[aria-current='true']").inner_text() == "browser"
         assert await page.locator(".approval").count() == 0
         model.never.set()

@@ -36,3 +36,27 @@ async def test_the_page_and_its_files() -> None:
     ):
         assert (await client.get("/")).status_code == 404
     await harness.close(grace_period=1, force_timeout=1)
+
+
+async def test_the_ledger_timeline_is_paged_and_refuses_bad_bounds() -> None:
+    from .conftest import submit
+
+    harness = make_harness(Scripted())
+    result = await submit(harness, "k1", "hello").result
+    assert result.terminal_reason == "success"
+    async with (
+        serving(create_agent_harness_app(harness)) as address,
+        httpx.AsyncClient(base_url=f"http://{address}", timeout=WAIT) as client,
+    ):
+        first = (await client.get("/conversations/c1/ledger", params={"limit": 2})).json()
+        assert [e["seq"] for e in first["items"]] == [1, 2] and first["next_seq"] == 3
+        assert first["items"][0]["kind"] == "runtime/transition"
+        assert first["items"][0]["summary"].startswith("accept")
+        rest = (await client.get("/conversations/c1/ledger", params={"from_seq": 3, "limit": 200})).json()
+        assert rest["next_seq"] is None
+        assert any(e["summary"].startswith("terminal") for e in rest["items"])
+        for params, field in (({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"from_seq": "x"}, "from_seq")):
+            refused = await client.get("/conversations/c1/ledger", params=params)
+            assert refused.status_code == 422 and refused.json()["error"]["field"] == field
+        assert (await client.get("/conversations/unknown/ledger")).json() == {"items": [], "next_seq": None}
+    await harness.close(grace_period=1, force_timeout=1)

@@ -10,6 +10,7 @@ The page lists conversations (``GET /conversations``), and shows one live over t
 renders the snapshot, applies events, asks for a fresh snapshot on a transient gap, and reconnects after
 a ``resync-required`` close. Its composer submits with ``input_metadata.policy`` set from the policy
 selector (``threadline serve`` admits with that policy); interrupt and approve/deny go over the same socket.
+Its ledger timeline reads ``GET /conversations/{id}/ledger`` (served here too).
 A token given to the page as ``?access_token=`` is sent as the bearer token.
 """
 
@@ -17,14 +18,23 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...delivery import REASONING_SEPARATOR
+from ...errors import AgentStoreCapabilityError, ThreadlineError
 from ...events import DURABLE_EVENT_TYPES
 from ...records import ACTIVE_RUN_STATES, INPUT_POLICIES, RUN_STATE_FOR_REASON
+from ..app import server_state
+from ..auth import identify
+from ..conversations import threadline_error
+from ..responses import error_response, unauthorized
+
+LEDGER_PAGE = 200
+"""Ledger events one ``GET /conversations/{id}/ledger`` returns at most."""
 
 _FILES = {
     "app.js": "text/javascript; charset=utf-8",
@@ -50,6 +60,48 @@ def constants_script() -> str:
     return f'"use strict";\nwindow.ThreadlineConstants = Object.freeze({json.dumps(constants, sort_keys=True)});\n'
 
 
+def _summary(payload: Any) -> str:
+    """What a ledger event's payload is about, in a few words (its command, run and version): the page shows
+    a timeline, not the payloads."""
+    if not isinstance(payload, dict):
+        return ""
+    words = [str(payload["type"])] if isinstance(payload.get("type"), str) else []
+    given = payload.get("input")
+    run_id = given.get("run_id") if isinstance(given, dict) else None
+    if isinstance(run_id, str):
+        words.append(f"run {run_id}")
+    if isinstance(payload.get("version"), int):
+        words.append(f"version {payload['version']}")
+    return " · ".join(words)
+
+
+async def ledger(request: Request) -> Response:
+    """``GET /conversations/{id}/ledger?from_seq=&limit=``: one page of the conversation's event ledger as
+    a timeline (``seq``, ``kind``, ``occurred_at``, a short ``summary``), ``next_seq`` when more remain.
+    501 ``LEDGER_UNAVAILABLE`` when the store keeps no ledger."""
+    state = server_state(request.app)
+    if await identify(state.settings.authenticate, request) is None:
+        return unauthorized()
+    raw_from, raw_limit = request.query_params.get("from_seq", "1"), request.query_params.get("limit", "100")
+    if not raw_from.isdigit() or int(raw_from) < 1:
+        return error_response(422, "REQUEST_REJECTED", "from_seq is an integer of at least 1", field="from_seq")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LEDGER_PAGE:
+        return error_response(422, "REQUEST_REJECTED", f"limit is an integer from 1 to {LEDGER_PAGE}", field="limit")
+    try:
+        page = await state.harness.store.read_events(
+            conversation_id=request.path_params["conversation_id"], from_seq=int(raw_from), limit=int(raw_limit)
+        )
+    except AgentStoreCapabilityError as error:
+        return error_response(501, "LEDGER_UNAVAILABLE", str(error))
+    except ThreadlineError as error:
+        return threadline_error(error)
+    items = [
+        {"seq": e.seq, "kind": e.kind, "occurred_at": e.occurred_at.isoformat(), "summary": _summary(e.payload)}
+        for e in page.items
+    ]
+    return JSONResponse({"items": items, "next_seq": page.next_seq})
+
+
 def routes() -> list[Route]:
     """``/`` (the page) and ``/inspector/<file>``. The files are read once, when the routes are built."""
     page = _read("index.html")
@@ -67,4 +119,8 @@ def routes() -> list[Route]:
         body, media = found
         return Response(body, media_type=media, headers=_HEADERS)
 
-    return [Route("/", index, methods=["GET"]), Route("/inspector/{name}", asset, methods=["GET"])]
+    return [
+        Route("/", index, methods=["GET"]),
+        Route("/inspector/{name}", asset, methods=["GET"]),
+        Route("/conversations/{conversation_id}/ledger", ledger, methods=["GET"]),
+    ]

@@ -21,6 +21,11 @@
     resyncs: 0,
     cursor: null, // conversations list paging
     resyncing: false,
+    ledger: [],
+    ledgerNext: 1,
+    ledgerMissing: null,
+    ledgerLoading: false,
+    ledgerTimer: null,
   };
 
   // ------------------------------------------------------------------------------------------- REST
@@ -59,6 +64,54 @@
     for (const link of $("conversations").querySelectorAll("a")) {
       link.setAttribute("aria-current", String(link.dataset.id === page.current));
     }
+  }
+
+  // The ledger's timeline: read forward from the last seq seen, a few pages at a time; the newest
+  // LEDGER_KEEP events are kept.
+  const LEDGER_KEEP = 500;
+
+  async function loadLedger() {
+    if (!page.current || page.ledgerLoading) return;
+    const id = page.current;
+    page.ledgerLoading = true;
+    try {
+      for (let pages = 0; pages < 5; pages += 1) {
+        const query = new URLSearchParams({ from_seq: String(page.ledgerNext), limit: "200" });
+        const listing = await api(`/conversations/${encodeURIComponent(id)}/ledger?${query}`);
+        if (id !== page.current) return;
+        page.ledger = [...page.ledger, ...listing.items].slice(-LEDGER_KEEP);
+        if (listing.items.length) page.ledgerNext = listing.items[listing.items.length - 1].seq + 1;
+        if (!listing.next_seq) break;
+      }
+      page.ledgerMissing = null;
+    } catch (error) {
+      page.ledgerMissing = error.message;
+    } finally {
+      page.ledgerLoading = false;
+    }
+    renderLedger();
+  }
+
+  function renderLedger() {
+    const box = $("ledger");
+    box.replaceChildren();
+    if (page.ledgerMissing) {
+      box.append(el("div", "muted", page.ledgerMissing));
+      return;
+    }
+    const table = el("table", "ledger");
+    for (const event of page.ledger) {
+      const row = el("tr");
+      row.dataset.kind = event.kind;
+      row.append(
+        el("td", null, String(event.seq)),
+        el("td", null, event.occurred_at.replace("T", " ").slice(0, 23)),
+        el("td", null, event.kind),
+        el("td", "summary", event.summary),
+      );
+      table.append(row);
+    }
+    box.append(table);
   }
 
   async function loadApprovals() {
@@ -144,6 +197,7 @@
     if (id !== page.current) return;
     applySnapshot(response.snapshot);
     loadApprovals();
+    loadLedger();
   }
 
   async function resync() {
@@ -186,8 +240,19 @@
       loadApprovals();
       loadConversations().catch(showError);
     }
+    if (DURABLE_TYPES.has(event.type)) scheduleLedger();
     if (conversation().resync_required) resync();
     render();
+  }
+
+  const DURABLE_TYPES = new Set(C.durable_event_types);
+
+  function scheduleLedger() {
+    if (page.ledgerTimer) return;
+    page.ledgerTimer = setTimeout(() => {
+      page.ledgerTimer = null;
+      loadLedger();
+    }, 250);
   }
 
   // ------------------------------------------------------------------------------------------ actions
@@ -199,6 +264,9 @@
     page.current = id;
     page.runs = {};
     page.approvals = [];
+    page.ledger = [];
+    page.ledgerNext = 1;
+    page.ledgerMissing = null;
     $("conversation").hidden = false;
     $("empty").hidden = true;
     $("title").textContent = id;

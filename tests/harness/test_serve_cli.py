@@ -174,3 +174,14 @@ async def test_serve_demo_answers_over_http_and_stops_on_sigterm(tmp_path: Path)
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [("nope", "--root is ID:KIND:/absolute/path"), ("docs:resource:relative/dir", "absolute path")],
+)
+async def test_a_bad_root_is_one_error_line(tmp_path: Path, root: str, message: str) -> None:
+    process = await start("serve", "--stdio", "--db", str(tmp_path / "x.db"), "--root", root)
+    _out, err = await asyncio.wait_for(process.communicate(b""), START)
+    assert process.returncode == 2
+    assert err.decode().startswith("error: ") and message in err.decode()

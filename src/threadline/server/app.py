@@ -21,6 +21,7 @@ from starlette.routing import BaseRoute
 
 from ..errors import AgentConfigError
 from ..harness import AgentHarnessControlServer, HeadlessAgentHarness, create_agent_harness_control_server
+from .auth import Authenticate
 from .state import AgentServerSettings as AgentServerSettings, ServerState
 
 

@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field, create_model
 
 from ..tools import AgentTool, AgentToolContext, define_agent_tool
 from .policy import CodingConfig, authorize, maybe, refuse, workspace_refusals
-from .workspace import join_segments
+from .workspace import PROC_FD, join_segments
 
 logger = logging.getLogger("threadline.coding")
 
@@ -191,7 +191,7 @@ def create_command_tools(config: CodingConfig) -> list[AgentTool]:
             if config.launcher is not None:
                 argv, spawn_cwd = await maybe(config.launcher.prepare(program, list(args), directory))
             else:
-                argv, spawn_cwd = [program, *args], f"/proc/self/fd/{directory}"
+                argv, spawn_cwd = [program, *args], f"{PROC_FD}/{directory}"
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 cwd=spawn_cwd,

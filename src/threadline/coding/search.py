@@ -44,7 +44,7 @@ from .discovery import (
     walk_limits,
 )
 from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob
-from .policy import CodingConfig, authorize, path_admitted, refuse, workspace_refusals
+from .policy import CodingConfig, authorize, path_decision, refuse, workspace_refusals
 from .workspace import WalkStats, WorkspaceError
 
 __all__ = ("MAX_LINE_BYTES", "MAX_QUERY_CHARS", "compile_search_regex", "create_search_tools")
@@ -212,8 +212,9 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
                 hint="use a shorter include pattern",
             )
         async with workspace_refusals():
-            await authorize(config, {"operation": "search", "query": query, "mode": mode})
-            segments, fd = await open_discovery_base(config, ".")
+            deadline = started + limits.search_timeout
+            await authorize(config, {"operation": "search", "query": query, "mode": mode}, deadline=deadline)
+            segments, fd = await open_discovery_base(config, ".", deadline)
             os.close(fd)
         stats = new_stats(config)
         run = _Search(config, stats, budget, query.encode(), matcher, context, mode)
@@ -224,7 +225,7 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             exclude=excluded_by(config),
             prune=included.may_contain if included is not None else None,
             include=(lambda relative: included.matches(relative)) if included is not None else None,
-            admit=(lambda relative, kind: path_admitted(config, relative)) if config.authorize_path else None,
+            admit=(lambda relative, kind: path_decision(config, relative)) if config.authorize_path else None,
         )
         async with contextlib.aclosing(walk):
             async for entry in walk:

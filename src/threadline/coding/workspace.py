@@ -62,6 +62,7 @@ __all__ = (
     "MAX_PATH_BYTES",
     "AgentCodingPlatformError",
     "EntryKind",
+    "HostDecisionTimeout",
     "WalkEntry",
     "WalkLimits",
     "WalkStats",
@@ -77,6 +78,7 @@ __all__ = (
     "WorkspacePathError",
     "WorkspaceSymlinkError",
     "WorkspaceUnavailableError",
+    "await_decision",
     "descriptor_platform_gaps",
     "join_segments",
     "open_regular_file_at",
@@ -850,7 +852,8 @@ class Workspace:
         says so (counted, outside the scope) or when ``admit(relative, 'directory')`` refuses (recorded in
         ``stats.denied``) — all before it is opened; a file is skipped when ``include(relative)`` is false
         (silently) or ``admit(relative, 'file')`` refuses (recorded). ``admit`` may be sync or async and
-        sees each path before anything below it is opened.
+        sees each path before anything below it is opened; an async answer still pending at the deadline is
+        cancelled and the walk stops (reason ``timeout``), a sync one cannot be interrupted.
 
         Stops early at a limit of :class:`WalkLimits`, recording the reason in ``stats.reasons``
         (``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
@@ -892,9 +895,14 @@ class Workspace:
                     if depth + 1 > limits.max_depth:
                         stats.reason("max-search-depth")
                         continue
-                    if admit is not None and not await _ask(admit, relative, "directory"):
-                        stats.deny(relative, "directory")
-                        continue
+                    if admit is not None:
+                        admitted = await _ask(admit, relative, "directory", limits.deadline)
+                        if admitted is None:
+                            stats.reason("timeout")
+                            return
+                        if not admitted:
+                            stats.deny(relative, "directory")
+                            continue
                     if stats.entries >= limits.max_entries:
                         stats.reason("max-search-entries")
                         continue
@@ -916,9 +924,14 @@ class Workspace:
                     continue
                 if include is not None and not include(relative):
                     continue
-                if admit is not None and not await _ask(admit, relative, "file"):
-                    stats.deny(relative, "file")
-                    continue
+                if admit is not None:
+                    admitted = await _ask(admit, relative, "file", limits.deadline)
+                    if admitted is None:
+                        stats.reason("timeout")
+                        return
+                    if not admitted:
+                        stats.deny(relative, "file")
+                        continue
                 if stats.files >= limits.max_files:
                     stats.reason("max-search-files")
                     return
@@ -954,8 +967,32 @@ class Workspace:
             stats.reason("max-search-entries")
 
 
-async def _ask(admit: Admit, relative: str, kind: EntryKind) -> bool:
-    decision = admit(relative, kind)
-    if inspect.isawaitable(decision):
-        decision = await decision
-    return bool(decision)
+class HostDecisionTimeout(Exception):
+    """A host callback's awaitable answer did not come before the deadline; it was cancelled."""
+
+
+async def await_decision(decision: Any, deadline: float | None) -> Any:
+    """A host callback's answer: a plain value as it is; an awaitable awaited — and, with a ``deadline``
+    (``time.monotonic()``), cancelled there, raising :class:`HostDecisionTimeout`. Cancelling the caller
+    cancels the awaitable too. A sync callback has already returned when this is called: it ran on the event
+    loop's thread and nothing could interrupt it (the deadline is observed after it returns)."""
+    if not inspect.isawaitable(decision):
+        return decision
+    if deadline is None:
+        return await decision
+    timeout = asyncio.timeout(deadline - time.monotonic())
+    try:
+        async with timeout:
+            return await decision
+    except TimeoutError:
+        if timeout.expired():
+            raise HostDecisionTimeout() from None
+        raise
+
+
+async def _ask(admit: Admit, relative: str, kind: EntryKind, deadline: float | None) -> bool | None:
+    """``admit``'s answer, or ``None`` when an async answer did not come before the deadline."""
+    try:
+        return bool(await await_decision(admit(relative, kind), deadline))
+    except HostDecisionTimeout:
+        return None

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import errno
 import inspect
+import operator
 import os
 import secrets
 import stat
@@ -478,6 +479,9 @@ def _entry_kind(entry: os.DirEntry[str]) -> EntryKind:
     return "other"
 
 
+_by_name = operator.attrgetter("name")
+
+
 def scan_directory(dir_fd: int, max_entries: int) -> tuple[list[ScannedEntry], bool]:
     """Read at most ``max_entries`` entries of the directory ``dir_fd``, sorted by name, and whether the
     cap stopped the read (conservatively: reaching the cap counts as truncated, no lookahead entry is read)."""
@@ -491,7 +495,7 @@ def scan_directory(dir_fd: int, max_entries: int) -> tuple[list[ScannedEntry], b
             if len(entries) >= max_entries:
                 truncated = True
                 break
-    entries.sort(key=lambda e: e.name)
+    entries.sort(key=_by_name)
     return entries, truncated
 
 

@@ -340,8 +340,6 @@ class _Search:
             if self.content_bytes + size > self.limits.max_search_bytes:
                 self.stats.reason("max-search-bytes")
                 return False
-            if len(self.buffer) < size:  # room for the whole file before the first read
-                self.buffer = bytearray(max(size, 2 * len(self.buffer)))
             try:
                 # a NUL in the first block marks a binary file: skipped (reason "binary") without reading on
                 length = self._read(opened.fd, 0, min(size, _BINARY_PROBE))
@@ -377,6 +375,10 @@ class _Search:
         search — no allocation and no fresh pages per file; it grows to the largest file read (at most
         ``max_read_bytes``) and only bytes below the returned length belong to the current file."""
         end = offset + length
+        if len(self.buffer) < end:  # grow, keeping the bytes below offset (this file's so far)
+            grown = bytearray(max(end, 2 * len(self.buffer)))
+            grown[:offset] = memoryview(self.buffer)[:offset]
+            self.buffer = grown
         view = memoryview(self.buffer)
         done = 0
         while done < length:

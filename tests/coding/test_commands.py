@@ -117,21 +117,29 @@ async def test_timeout_kills_the_whole_group(make_tools, tmp_path: Path) -> None
     assert await wait_dead(int(pidfile.read_text()))
 
 
-async def test_cancellation_kills_the_group_and_propagates(make_tools, tmp_path: Path) -> None:
-    pidfile = tmp_path / "leader.pid"
-    script = f"import os,time; open({str(pidfile)!r},'w').write(str(os.getpid())); time.sleep(60)"
+async def test_cancellation_during_a_run_kills_every_process_of_the_group_and_propagates(
+    make_tools, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pids"
+    script = (
+        "import os,subprocess,sys,time;"
+        "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']);"
+        f"open({str(pidfile)!r},'w').write(f'{{os.getpid()}} {{p.pid}}');time.sleep(60)"
+    )
     tools = make_tools(executables={"py": PY})
     task = asyncio.create_task(tools.call("run_command", executable="py", args=["-c", script]))
 
     async def started() -> None:
-        while not pidfile.exists() or not pidfile.read_text():
+        while not pidfile.exists() or len(pidfile.read_text().split()) < 2:
             await asyncio.sleep(0.02)
 
     await asyncio.wait_for(started(), timeout=10)
+    leader, child = map(int, pidfile.read_text().split())
+    assert alive(leader) and alive(child)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=10)
-    assert await wait_dead(int(pidfile.read_text()))
+    assert await wait_dead(leader) and await wait_dead(child)
 
 
 async def test_output_limit_without_a_store(make_tools) -> None:
@@ -184,29 +192,6 @@ async def test_signal_of_a_killed_leader_is_named(make_tools) -> None:
         "run_command", executable="py", args=["-c", "import os,signal; os.kill(os.getpid(), signal.SIGTERM)"]
     )
     assert (result["exit_code"], result["signal"], result["outcome"]) == (None, signal.SIGTERM.name, "exited")
-
-
-async def test_cancellation_during_a_run_kills_every_process_of_the_group(make_tools, tmp_path: Path) -> None:
-    pidfile = tmp_path / "child.pid"
-    script = (
-        "import subprocess,sys,time;"
-        f"p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']);"
-        f"open({str(pidfile)!r},'w').write(str(p.pid));time.sleep(60)"
-    )
-    tools = make_tools(executables={"py": PY})
-    task = asyncio.create_task(tools.call("run_command", executable="py", args=["-c", script]))
-
-    async def started() -> None:
-        while not pidfile.exists() or not pidfile.read_text():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(started(), timeout=10)
-    child = int(pidfile.read_text())
-    assert alive(child)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, timeout=10)
-    assert await wait_dead(child)
 
 
 async def test_a_call_whose_task_is_already_cancelled_returns_cancelled_without_asking_or_spawning(

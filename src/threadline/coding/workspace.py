@@ -900,12 +900,10 @@ class Workspace:
                         stats.reason("max-search-depth")
                         continue
                     if admit is not None:
-                        admitted = await _ask(admit, relative, "directory", limits.deadline)
-                        if admitted is None:
-                            stats.reason("timeout")
+                        admitted = await _ask(admit, relative, "directory", limits.deadline, stats)
+                        if admitted is None:  # undecided at the deadline
                             return
                         if not admitted:
-                            stats.deny(relative, "directory")
                             continue
                     if stats.entries >= limits.max_entries:
                         stats.reason("max-search-entries")
@@ -929,12 +927,10 @@ class Workspace:
                 if include is not None and not include(relative):
                     continue
                 if admit is not None:
-                    admitted = await _ask(admit, relative, "file", limits.deadline)
-                    if admitted is None:
-                        stats.reason("timeout")
+                    admitted = await _ask(admit, relative, "file", limits.deadline, stats)
+                    if admitted is None:  # undecided at the deadline
                         return
                     if not admitted:
-                        stats.deny(relative, "file")
                         continue
                 if stats.files >= limits.max_files:
                     stats.reason("max-search-files")
@@ -994,9 +990,14 @@ async def await_decision(decision: Any, deadline: float | None) -> Any:
         raise
 
 
-async def _ask(admit: Admit, relative: str, kind: EntryKind, deadline: float | None) -> bool | None:
-    """``admit``'s answer, or ``None`` when an async answer did not come before the deadline."""
+async def _ask(admit: Admit, relative: str, kind: EntryKind, deadline: float | None, stats: WalkStats) -> bool | None:
+    """``admit``'s answer, a refusal recorded in ``stats.denied``; ``None`` (reason ``timeout``) when an
+    async answer did not come before the deadline."""
     try:
-        return bool(await await_decision(admit(relative, kind), deadline))
+        admitted = bool(await await_decision(admit(relative, kind), deadline))
     except HostDecisionTimeout:
+        stats.reason("timeout")
         return None
+    if not admitted:
+        stats.deny(relative, kind)
+    return admitted

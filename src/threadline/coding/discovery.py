@@ -7,6 +7,11 @@ full empty result from partial work. Reasons: ``denied``, ``unreadable``, ``max-
 ``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
 ``max-search-results``, ``max-search-bytes``, ``max-search-output-bytes``, ``max-read-bytes``,
 ``invalid-utf8``, ``binary``, ``timeout``.
+
+``search_timeout`` counts from the call's start and bounds the host's decisions too: an async ``authorize``
+or ``authorize_path`` answer still pending at the deadline is cancelled — ``TIMEOUT`` (504) before anything
+was visited, reason ``timeout`` once the walk or listing had begun. Cancelling the call cancels a pending
+answer the same way. A sync callback cannot be interrupted; the deadline is observed when it returns.
 """
 
 from __future__ import annotations

@@ -282,8 +282,8 @@ class _Search:
         self.budget = budget
         self.literal = literal
         self.regex = matcher
-        # content: RE2 scans for a literal several times faster than bytes.find (its prefix accelerator); a
-        # literal spanning lines keeps bytes.find, which can find it
+        # content: RE2 scans for a literal faster than bytes.find (its prefix accelerator; 1.6x on the
+        # standard library's sources); a literal spanning lines keeps bytes.find, which can find it
         self.matcher = matcher if matcher is not None or b"\n" in literal else _literal_matcher(literal)
         self.context = context
         self.mode = mode
@@ -376,7 +376,7 @@ class _Search:
         ``max_read_bytes``) and only bytes below the returned length belong to the current file."""
         end = offset + length
         if len(self.buffer) < end:  # grow, keeping the bytes below offset (this file's so far)
-            grown = bytearray(max(end, 2 * len(self.buffer)))
+            grown = bytearray(max(end, min(2 * len(self.buffer), self.limits.max_read_bytes)))
             grown[:offset] = memoryview(self.buffer)[:offset]
             self.buffer = grown
         view = memoryview(self.buffer)

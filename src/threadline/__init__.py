@@ -141,6 +141,7 @@ if TYPE_CHECKING:
         AgentModelRegistry as AgentModelRegistry,
         AgentModelUnavailableError as AgentModelUnavailableError,
         define_model_registry as define_model_registry,
+        openrouter_response_provider as openrouter_response_provider,
     )
     from .protocol import (
         AgentProtocol as AgentProtocol,
@@ -333,6 +334,7 @@ _EXPORTS: dict[str, str] = {
     "AgentModelRegistry": ".models",
     "AgentModelUnavailableError": ".models",
     "define_model_registry": ".models",
+    "openrouter_response_provider": ".models",
     "AgentProtocol": ".protocol",
     "TerminalCandidate": ".protocol",
     "define_agent_protocol": ".protocol",
@@ -413,6 +415,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return [*globals(), *_EXPORTS]
+
 
 __version__ = "0.1.0"
 
@@ -575,6 +578,7 @@ __all__ = [
     "estimate_tool_schema_tokens",
     "export_event_json_schemas",
     "export_json_schemas",
+    "openrouter_response_provider",
     "order_recoverable",
     "project_agent_history",
     "project_agent_history_detailed",

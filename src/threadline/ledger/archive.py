@@ -12,8 +12,9 @@ RFC 8785 canonical form (the ``rfc8785`` package), UTF-8::
 Canonical form makes an archive a function of its content: export → import → export gives the same
 bytes on every driver. ``sha256`` catches an archive changed by hand or damaged in transit (it is not a
 signature: anyone can recompute it). :func:`decode_archive` checks what needs no store — size, encoding,
-canonical form, digest, format, one conversation, contiguous ``seq`` from 1, unique event ids, known kinds
-and typed payloads, records that parse — and raises :class:`~threadline.errors.AgentArchiveRejectedError`
+canonical form, digest, format, one conversation, contiguous ``seq`` from 1, unique event ids (and lookup
+keys: one body per digest, one intent and one proof per durable step), known kinds and typed payloads,
+records that parse — and raises :class:`~threadline.errors.AgentArchiveRejectedError`
 naming the offence. Agreement between the events and the snapshot is the store's check
 (:mod:`threadline.store.replay`).
 
@@ -35,7 +36,7 @@ from pydantic_core import to_jsonable_python
 
 from ..errors import AgentArchiveRejectedError, AgentRecordValidationError
 from ..records import STORAGE, AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
-from .events import AgentStoreEvent, decode_agent_store_event
+from .events import AgentStoreEvent, decode_agent_store_event, event_key
 
 __all__ = [
     "ARCHIVE_FORMAT",
@@ -156,6 +157,7 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
 
     events: list[AgentStoreEvent] = []
     ids: set[str] = set()
+    keys: set[str] = set()
     for index, raw in enumerate(value["events"]):
         where = f"events[{index}]"
         if isinstance(raw, dict) and raw.get("conversation_id") != cid:
@@ -170,6 +172,11 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
         if event.event_id in ids:
             raise _reject("ARCHIVE_DUPLICATE_ID", f"event id {event.event_id!r} appears twice", where)
         ids.add(event.event_id)
+        key = event_key(event)
+        if key is not None:
+            if key in keys:  # a body written twice, a second intent or proof of one step
+                raise _reject("ARCHIVE_DUPLICATE_ID", f"a second {event.kind} under one key ({key})", where)
+            keys.add(key)
         events.append(event)
 
     snapshot = value["snapshot"]

@@ -447,3 +447,118 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
         source={"kind": "archive", "bytes": archive, "through_run_id": c.run("t1")},
     )
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
+
+
+@_case("ledger_durable_steps")
+async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFactory) -> None:
+    """Durable steps kept in the ledger (``create_local_step_durability(store=)``): the intent and the proof
+    are ``durability/effect`` events found by key with the same work at any conversation length; a
+    reconstructed durability returns the proof, reconciles a bare intent or reports it uncertain, without
+    running the body — after compaction, and after export → import into another store; a branch keeps them
+    only as inert observations; applications cannot append them."""
+    from ..durability import AgentStepUncertainError, create_local_step_durability, run_agent_step
+
+    if await _absent(store):
+        await _raises(
+            AgentStoreCapabilityError, "durable steps without a ledger", create_local_step_durability, store=store
+        )
+        return
+    c = _Conv(store, "ledger-steps")
+    await c.turn("t1")
+    run = c.run("t1")
+
+    def never() -> Any:
+        raise AssertionError("a recorded step ran its body again")
+
+    def fails() -> Any:
+        raise RuntimeError("the effect's outcome is unknown")
+
+    durability = create_local_step_durability(store=store)
+    _equal(
+        await run_agent_step(durability, c.cid, run, "refund:7", lambda: {"refund": "R-7", "cents": 2**60}),
+        {"refund": "R-7", "cents": 2**60},
+        "the first call runs the body",
+    )
+    _equal(
+        await run_agent_step(durability, c.cid, run, "refund:7", never),
+        {"refund": "R-7", "cents": 2**60},
+        "a second call returns the proof",
+    )
+    await _raises(RuntimeError, "a body that raised", run_agent_step, durability, c.cid, run, "mail:1", fails)
+    joined = await run_agent_step(durability, c.cid, run, "ticket", lambda: "T-1", joined_run_ids=(c.run("t2"),))
+    _equal(joined, "T-1", "a step that stands for a joined run")
+    events = await _journal(store, c.cid)
+    steps = [decode_agent_store_event(e)[1] for e in events if e.kind == "durability/effect"]
+    _equal(
+        [(s.run_id, s.effect_name, s.status) for s in steps],
+        [
+            (run, "refund:7", "intent"),
+            (run, "refund:7", "accepted"),
+            (run, "mail:1", "intent"),
+            (run, "ticket", "intent"),
+            (c.run("t2"), "ticket", "intent"),
+            (run, "ticket", "accepted"),
+            (c.run("t2"), "ticket", "accepted"),
+        ],
+        "intents before their bodies, proofs after, under every key",
+    )
+    error = await _raises(
+        AgentRecordValidationError,
+        "append a durability/effect",
+        store.append_event,
+        conversation_id=c.cid,
+        kind="durability/effect",
+        payload={"run_id": run, "effect_name": "forged", "status": "accepted", "value_json": "1"},
+    )
+    _equal(error.field, "kind", "durable steps are the store's to write")
+
+    # constant work: a claim reads the same rows at any length of the conversation
+    async def claim_rows(name: str) -> int:
+        before = store.metrics["claim_step_effect"].rows_read
+        await run_agent_step(durability, c.cid, run, name, lambda: None)
+        return store.metrics["claim_step_effect"].rows_read - before
+
+    short = await claim_rows("short")
+    for n in range(2, 8):
+        await c.turn(f"t{n}")
+    _equal(await claim_rows("long"), short, "rows read by a claim do not grow with the conversation")
+
+    await c.compact(["t1:in", "t1:out", "t2:in", "t2:out"], "s1")
+
+    async def check(target: AgentRuntimeStore, where: str) -> None:
+        again = create_local_step_durability(store=target)
+        _equal(
+            await run_agent_step(again, c.cid, run, "refund:7", never),
+            {"refund": "R-7", "cents": 2**60},
+            f"{where}: the proof",
+        )
+        _equal(await run_agent_step(again, c.cid, c.run("t2"), "ticket", never), "T-1", f"{where}: the joined run")
+        record = await again.read(c.cid, run, "mail:1")
+        _expect(record is not None and record.state == "intent", f"{where}: the bare intent")
+        uncertain = await _raises(
+            AgentStepUncertainError, f"{where}: uncertain", run_agent_step, again, c.cid, run, "mail:1", never
+        )
+        _equal(uncertain.key, (c.cid, run, "mail:1"), f"{where}: the uncertain key")
+
+    await check(store, "after compaction")
+    data = await store.export_conversation(c.cid)
+    async with factory() as other:
+        await other.import_conversation(data)
+        await check(other, "after import")
+        settled = await run_agent_step(
+            create_local_step_durability(store=other), c.cid, run, "mail:1", never, reconcile=lambda record: "sent"
+        )
+        _equal(settled, "sent", "reconcile settles the bare intent")
+        record = await create_local_step_durability(store=other).read(c.cid, run, "mail:1")
+        _expect(record is not None and record.state == "accepted" and record.reconciled, "the reconciled proof")
+    await check(store, "the source, unchanged by the import's reconcile")
+
+    copy = await store.branch_conversation(
+        request_key="steps",
+        destination_conversation_id="ledger-steps-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    copied = await _journal(store, copy.receipt.destination_conversation_id)
+    _expect(not any(e.kind == "durability/effect" for e in copied), "a branch inherits no durable step")
+    observed = [e.payload for e in copied if e.kind == "runtime/branch-observation"]
+    _expect(any(p["kind"] == "durability/effect" for p in observed), "... it keeps them as inert observations")

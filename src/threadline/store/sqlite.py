@@ -56,7 +56,7 @@ from ..errors import (
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
-from ..ledger.events import AgentStoreEvent
+from ..ledger.events import AgentStoreEvent, event_key
 from ..records import (
     ACTIVE_RUN_STATES,
     AdmissionReceipt,
@@ -69,7 +69,7 @@ from ..records import (
     ToolResultPart,
 )
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, decode, encode as _encode, encode_with, event_digest, foreign, pack, unpack
+from .codec import RecordCache, decode, encode as _encode, encode_with, foreign, pack, unpack
 from .driver import (
     Access,
     HeadState,
@@ -78,12 +78,12 @@ from .driver import (
     LoadAllReceipts,
     LoadAllRuns,
     LoadAllSeeds,
+    LoadEventKeys,
     LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
-    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -178,7 +178,8 @@ _TABLES: dict[str, str] = {
     ),
     "threadline_fts_queue": ("CREATE TABLE threadline_fts_queue (row_id INTEGER PRIMARY KEY, stale INTEGER NOT NULL)"),
     # the ledger: one append-only journal per conversation. A rowid table (bodies are larger than an index
-    # entry should be), appended in seq order; ``digest`` is set for provider/message bodies only
+    # entry should be), appended in seq order; ``digest`` is the event's lookup key (``event_key``: a
+    # provider/message body's digest, a durable step's intent or proof), NULL for every other event
     "threadline_events": (
         "CREATE TABLE threadline_events (row_id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL, "
         "seq INTEGER NOT NULL, kind TEXT NOT NULL, digest TEXT, body TEXT NOT NULL, UNIQUE (conversation_id, seq))"
@@ -212,7 +213,8 @@ _INDEXES: dict[str, str] = {
     "threadline_admissions_input": (
         "CREATE UNIQUE INDEX threadline_admissions_input ON threadline_admissions (conversation_id, input_message_id)"
     ),
-    # a provider/message body is written once per conversation: found by its digest, never by a scan
+    # a provider/message body is written once per conversation, a step's intent and proof once per key:
+    # found by their key, never by a scan
     "threadline_events_bodies": (
         "CREATE UNIQUE INDEX threadline_events_bodies ON threadline_events (conversation_id, digest) "
         "WHERE digest IS NOT NULL"
@@ -725,9 +727,9 @@ class _SqliteRows:
             out.append(event)
         return out
 
-    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+    def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]:
         found: list[tuple[str, int]] = []
-        for chunk in _chunks(tuple(dict.fromkeys(r.shas))):
+        for chunk in _chunks(tuple(dict.fromkeys(r.keys))):
             sql = _BODIES.format(", ".join("?" * len(chunk)))
             found += self.cur.execute(sql, (r.conversation_id, *chunk)).fetchall()
         return found
@@ -778,7 +780,7 @@ class _SqliteRows:
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
             if m.events:
-                events = [(cid, e.seq, e.kind, event_digest(e), pack(encode(e))) for e in m.events]
+                events = [(cid, e.seq, e.kind, event_key(e), pack(encode(e))) for e in m.events]
                 if len(events) == 1:
                     conn.execute(_INSERT_EVENT, events[0])
                 else:

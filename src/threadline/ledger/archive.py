@@ -84,9 +84,16 @@ def _record_json(record: BaseModel) -> Any:
     return to_jsonable_python(record, context=STORAGE)
 
 
+def _object(members: dict[str, bytes]) -> bytes:
+    """The RFC 8785 form of a top-level object whose member values are canonical already (each encoded by
+    ``rfc8785`` once): its members sorted by name (ASCII names: code-unit order is byte order)."""
+    return b"{" + b",".join(b'"%s":%s' % (name.encode(), members[name]) for name in sorted(members)) + b"}"
+
+
 def encode_archive(content: ArchiveContent) -> bytes:
-    """The archive bytes of ``content`` (canonical: equal content, equal bytes)."""
-    body = {
+    """The archive bytes of ``content`` (canonical: equal content, equal bytes). Each member is encoded
+    once: the digest covers the object of the others, and the archive adds ``sha256`` to it."""
+    members = {
         "format": ARCHIVE_FORMAT,
         "format_version": ARCHIVE_FORMAT_VERSION,
         "conversation_id": content.conversation_id,
@@ -101,8 +108,9 @@ def encode_archive(content: ArchiveContent) -> bytes:
         "projections": [to_jsonable_python(p) for p in content.projections],
         "spills": [],
     }
-    body["sha256"] = hashlib.sha256(rfc8785.dumps(body)).hexdigest()
-    return rfc8785.dumps(body)
+    encoded = {name: rfc8785.dumps(value) for name, value in members.items()}
+    encoded["sha256"] = rfc8785.dumps(hashlib.sha256(_object(encoded)).hexdigest())
+    return _object(encoded)
 
 
 def _reject(code: str, message: str, where: str | None = None) -> AgentArchiveRejectedError:
@@ -136,15 +144,17 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
             f"format {value['format']!r} version {value['format_version']!r}; this threadline reads "
             f"{ARCHIVE_FORMAT!r} version {ARCHIVE_FORMAT_VERSION}",
         )
-    try:
-        canonical = rfc8785.dumps(value)
+    try:  # every member encoded once: the canonical check and the digest share the bytes
+        encoded = {name: rfc8785.dumps(member) for name, member in value.items()}
     except Exception as error:  # a number or string RFC 8785 cannot represent
         raise _reject("ARCHIVE_MALFORMED", f"not canonical JSON: {error}") from None
-    if canonical != data:
+    if _object(encoded) != data:
         raise _reject("ARCHIVE_MALFORMED", "not in RFC 8785 canonical form: it was re-encoded or edited")
     claimed = value.pop("sha256")
-    if hashlib.sha256(rfc8785.dumps(value)).hexdigest() != claimed:
+    del encoded["sha256"]
+    if hashlib.sha256(_object(encoded)).hexdigest() != claimed:
         raise _reject("ARCHIVE_DIGEST", "the content does not match its sha256: it was changed after export")
+    del encoded
     cid = value["conversation_id"]
     if not isinstance(cid, str) or not cid:
         raise _reject("ARCHIVE_FORMAT", "conversation_id is a non-empty string", "conversation_id")

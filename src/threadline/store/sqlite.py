@@ -765,7 +765,7 @@ class _SqliteRows:
             known["h", cid] = m.head
             if m.runs:
                 self._write_runs(m.runs)
-            written: list[tuple[Message, str]] = []
+            written: dict[int, str] = {}
             if m.messages:
                 self.fts_pending = True
                 written = self._write_messages(m.messages)
@@ -833,16 +833,16 @@ class _SqliteRows:
             else:
                 self.cur.executemany(_UPSERT_RUN, upserts)
 
-    def _write_messages(self, messages: Sequence[Message]) -> list[tuple[Message, str]]:
+    def _write_messages(self, messages: Sequence[Message]) -> dict[int, str]:
         known, encode = self.known, _encode
         upserts: list[tuple[Any, ...]] = []  # full rows: new, or a change of what the sort and flags index
         updates: list[tuple[Any, ...]] = []
         settling: list[tuple[Any, ...]] = []  # known unsettled rows that take their position
-        written: list[tuple[Message, str]] = []
+        written: dict[int, str] = {}  # id(message) -> its body (the messages live as long as the mutation)
         for msg in messages:
             f = msg.__dict__
             cid, mid, position, body = f["conversation_id"], f["id"], f["position"], encode(msg)
-            written.append((msg, body))
+            written[id(msg)] = body
             row = (
                 cid,
                 mid,
@@ -951,12 +951,11 @@ def _unchanged(message: Message, snapshot: bytes | None) -> bool:
     return pickle.dumps(_mutable(message), protocol=5) == snapshot
 
 
-def _receipt(receipt: AdmissionReceipt, written: list[tuple[Message, str]]) -> str:
-    """A receipt's stored JSON; its input is the message its admission writes beside it, encoded once."""
-    for message, body in written:
-        if message is receipt.input:
-            return encode_with(receipt, "input", body)
-    return _encode(receipt)
+def _receipt(receipt: AdmissionReceipt, written: dict[int, str]) -> str:
+    """A receipt's stored JSON; its input is the message its admission writes beside it, encoded once
+    (found by identity: a restore writes thousands of receipts and messages in one mutation)."""
+    body = written.get(id(receipt.input))
+    return _encode(receipt) if body is None else encode_with(receipt, "input", body)
 
 
 def _reset(stats: OperationStats) -> None:

@@ -553,6 +553,19 @@ async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFact
         _expect(record is not None and record.state == "accepted" and record.reconciled, "the reconciled proof")
     await check(store, "the source, unchanged by the import's reconcile")
 
+    def second_proof(v: Any) -> None:  # a forged proof for a key that has one
+        proof = next(
+            e for e in v["events"] if e["kind"] == "durability/effect" and e["payload"]["status"] == "accepted"
+        )
+        v["events"].append({**proof, "event_id": "evt_forged", "seq": len(v["events"]) + 1})
+        v["snapshot"]["head"]["event_seq"] += 1
+
+    async with factory() as other:
+        error = await _raises(
+            AgentArchiveRejectedError, "a second proof", other.import_conversation, _tamper(data, second_proof)
+        )
+        _equal(error.code, "ARCHIVE_DUPLICATE_ID", "one intent and one proof per key")
+
     copy = await store.branch_conversation(
         request_key="steps",
         destination_conversation_id="ledger-steps-copy",

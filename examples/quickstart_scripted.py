@@ -35,7 +35,7 @@ async def main() -> None:
     prompt = compose_agent_prompt(
         [{"name": "product", "stability": "stable", "render": lambda ctx: f"Help user {ctx.context.user_id}."}]
     )
-    async with create_sqlite_agent_runtime_store(filename="threadline.db") as sqlite:
+    async with create_sqlite_agent_runtime_store(filename="quickstart.db") as sqlite:
         runtime = create_agent_runtime(
             protocol=define_agent_protocol(context=Context),
             store=sqlite.store,

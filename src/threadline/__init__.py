@@ -16,6 +16,11 @@ if TYPE_CHECKING:
         AgentApprovalError as AgentApprovalError,
         AgentPendingApproval as AgentPendingApproval,
     )
+    from .config import (
+        HistoryConfig as HistoryConfig,
+        LoopConfig as LoopConfig,
+        RunsConfig as RunsConfig,
+    )
     from .delivery import (
         AgentControlView as AgentControlView,
         AgentEventSinkStatus as AgentEventSinkStatus,
@@ -61,6 +66,7 @@ if TYPE_CHECKING:
         AgentStoreSchemaError as AgentStoreSchemaError,
         AgentStoreUnavailableError as AgentStoreUnavailableError,
         AgentToolFenceLostError as AgentToolFenceLostError,
+        AppError as AppError,
         ThreadlineError as ThreadlineError,
     )
     from .events import (
@@ -88,6 +94,10 @@ if TYPE_CHECKING:
         describe_internal_cause as describe_internal_cause,
         durable_event_id as durable_event_id,
         export_event_json_schemas as export_event_json_schemas,
+    )
+    from .following import (
+        AGENT_TICKET_EVENTS_MAX as AGENT_TICKET_EVENTS_MAX,
+        ResyncEvent as ResyncEvent,
     )
     from .history.compaction import (
         AgentCompactableHistory as AgentCompactableHistory,
@@ -151,6 +161,7 @@ if TYPE_CHECKING:
     from .records import (
         SCHEMA_VERSION as SCHEMA_VERSION,
         AdmissionReceipt as AdmissionReceipt,
+        AgentRunFailure as AgentRunFailure,
         ApprovalRequestPart as ApprovalRequestPart,
         ApprovalResponsePart as ApprovalResponsePart,
         ControlPart as ControlPart,
@@ -182,9 +193,6 @@ if TYPE_CHECKING:
         AgentRuntimeInput as AgentRuntimeInput,
         AgentRuntimeResult as AgentRuntimeResult,
         AgentRuntimeTicket as AgentRuntimeTicket,
-        HistoryConfig as HistoryConfig,
-        LoopConfig as LoopConfig,
-        RunsConfig as RunsConfig,
         create_agent_runtime as create_agent_runtime,
         takeover_expired_leases as takeover_expired_leases,
     )
@@ -215,7 +223,7 @@ if TYPE_CHECKING:
         AgentToolCall as AgentToolCall,
         AgentToolContext as AgentToolContext,
         AgentToolLifecycle as AgentToolLifecycle,
-        AppError as AppError,
+        AgentToolValueError as AgentToolValueError,
         compose_tool_lifecycle as compose_tool_lifecycle,
         create_agent_tool_fence_lifecycle as create_agent_tool_fence_lifecycle,
         define_agent_tool as define_agent_tool,
@@ -273,6 +281,7 @@ _EXPORTS: dict[str, str] = {
     "AgentStoreSchemaError": ".errors",
     "AgentStoreUnavailableError": ".errors",
     "AgentToolFenceLostError": ".errors",
+    "AppError": ".errors",
     "ThreadlineError": ".errors",
     "AGENT_TOOL_PROGRESS_MESSAGE_MAX": ".events",
     "AdmissionEvent": ".events",
@@ -361,6 +370,7 @@ _EXPORTS: dict[str, str] = {
     "ToolCallPart": ".records",
     "ToolResultPart": ".records",
     "export_json_schemas": ".records",
+    "AgentRunFailure": ".records",
     "AgentAdmission": ".runtime",
     "AgentPromptContext": ".runtime",
     "AgentRecoveryOutcome": ".runtime",
@@ -369,9 +379,9 @@ _EXPORTS: dict[str, str] = {
     "AgentRuntimeInput": ".runtime",
     "AgentRuntimeResult": ".runtime",
     "AgentRuntimeTicket": ".runtime",
-    "HistoryConfig": ".runtime",
-    "LoopConfig": ".runtime",
-    "RunsConfig": ".runtime",
+    "HistoryConfig": ".config",
+    "LoopConfig": ".config",
+    "RunsConfig": ".config",
     "create_agent_runtime": ".runtime",
     "takeover_expired_leases": ".runtime",
     "AbsorbClaim": ".store",
@@ -392,14 +402,16 @@ _EXPORTS: dict[str, str] = {
     "AgentToolCall": ".tools",
     "AgentToolContext": ".tools",
     "AgentToolLifecycle": ".tools",
-    "AppError": ".tools",
     "compose_tool_lifecycle": ".tools",
     "create_agent_tool_fence_lifecycle": ".tools",
     "define_agent_tool": ".tools",
     "tool_error_from_result": ".tools",
+    "AgentToolValueError": ".tools",
     "AgentCost": ".usage",
     "AgentUsage": ".usage",
     "UsageFigure": ".usage",
+    "ResyncEvent": ".following",
+    "AGENT_TICKET_EVENTS_MAX": ".following",
 }
 """Every public name and the module that defines it."""
 
@@ -420,6 +432,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGENT_TICKET_EVENTS_MAX",
     "AGENT_TOOL_PROGRESS_MESSAGE_MAX",
     "APP_ERROR_STATUS",
     "SCHEMA_VERSION",
@@ -469,6 +482,7 @@ __all__ = [
     "AgentRecoveryOutcome",
     "AgentRetryPolicy",
     "AgentRunEvent",
+    "AgentRunFailure",
     "AgentRunOrderConflictError",
     "AgentRunOwnershipConflictError",
     "AgentRunRevisionConflictError",
@@ -505,6 +519,7 @@ __all__ = [
     "AgentToolContext",
     "AgentToolFenceLostError",
     "AgentToolLifecycle",
+    "AgentToolValueError",
     "AgentUsage",
     "AppError",
     "ApprovalRequestPart",
@@ -531,6 +546,7 @@ __all__ = [
     "ReasoningEndEvent",
     "ReasoningPart",
     "ReasoningStartEvent",
+    "ResyncEvent",
     "Run",
     "RunControl",
     "RunOperation",

@@ -14,20 +14,37 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from .errors import AgentConversationPurgedError, AgentRunOwnershipConflictError, AgentRunUnsettledError
 from .loop import RunControl
-from .records import INPUT_POLICIES as INPUT_POLICIES, Run
+from .records import INPUT_POLICIES as INPUT_POLICIES, Message, Run
+from .store.aggregate import AgentRuntimeStore
 
-if TYPE_CHECKING:
-    from .runtime import AgentRuntime
+T = TypeVar("T")
 
 _ABORT_REASON = {"interrupt": "interrupted", "interrupt-next": "interrupted", "supersede": "superseded"}
 MAX_REFUSALS = 64
 """Acquisitions of one run the store may refuse in a row (each refusal means another write moved the
 conversation) before the lane gives up on it and says so, rather than spinning."""
 _log = logging.getLogger("threadline.runtime")
+
+
+class LaneHost(Protocol):
+    """What a lane needs from the runtime that owns it (:class:`threadline.runtime.AgentRuntime`). The
+    runtime stands on the lanes, never the other way round: this is the seam between the two."""
+
+    store: AgentRuntimeStore
+    closing: bool
+    waiters: Waiters
+
+    async def execute(self, lane: Lane, run: Run, context: Any) -> Step: ...
+
+    async def retry_store(self, call: Callable[[], Awaitable[T]]) -> T: ...
+
+    async def resolve_context_of(self, run: Run) -> tuple[bool, Any]: ...
+
+    def result_from(self, run: Run, assistant: Message | None) -> Any: ...
 
 
 class Step(enum.Enum):
@@ -49,7 +66,7 @@ class Step(enum.Enum):
 class Lane:
     """The process-local execution lane of one conversation."""
 
-    runtime: AgentRuntime
+    runtime: LaneHost
     conversation_id: str
     control: RunControl | None = None
     contexts: dict[str, Any] = field(default_factory=dict)

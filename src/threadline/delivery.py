@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from ._logging import ThrottledLog
 from .errors import AgentRuntimeUsageError
 from .events import (
     AGENT_RUN_EVENT_ADAPTER,
@@ -39,6 +41,8 @@ from .events import (
     ToolProgressEvent,
 )
 from .records import ACTIVE_RUN_STATES, RUN_STATE_FOR_REASON, ConversationSnapshot, Message, RunOperation
+
+_log = logging.getLogger("threadline.events")
 
 CursorClassification = Literal["fresh", "duplicate", "gap"]
 
@@ -170,6 +174,7 @@ class _BoundedSink:
         self.capacity = capacity
         self._project = project
         self._on_publish_error = on_publish_error
+        self._failure_log = ThrottledLog(_log)
         self._on_drop = on_drop
         self._deduplicate = deduplicate
         self._seen: set[str] = set()
@@ -248,6 +253,14 @@ class _BoundedSink:
     def _report_now(self, error: BaseException, event: Any) -> None:
         if self._on_publish_error is not None:
             self._call_quietly(self._on_publish_error, error, event)
+        else:
+            self._unhandled(error, event)
+
+    def _unhandled(self, error: BaseException, event: Any) -> None:
+        """A failure no ``on_publish_error`` hook takes: the log (``threadline.events``) says so."""
+        self._failure_log.failed(
+            "%s failed on a %s event", type(self).__name__, getattr(event, "type", "?"), error=error
+        )
 
     @staticmethod
     def _call_quietly(fn: Callable[..., Any], *args: Any) -> None:
@@ -299,6 +312,7 @@ class _BoundedSink:
 
     async def _report(self, error: BaseException, event: Any) -> None:
         if self._on_publish_error is None:
+            self._unhandled(error, event)
             return
         try:
             outcome = self._on_publish_error(error, event)

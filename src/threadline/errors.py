@@ -26,6 +26,7 @@ Failures are classified by exception type, never by message text. The tree::
     │   └── AgentBranchRefusedError       a branch request cannot be carried out (``code`` says why)
     ├── AgentRunUnsettledError            a run could not be settled; the store may be ahead
     ├── AgentToolFenceLostError           a tool fence check said this executor no longer owns the run
+    ├── AppError                          a typed application error a model may see (code, message, hint)
     └── AgentContextOverflowError         a prepared step cannot fit the model window
 
 Every store error guarantees that nothing was written by the failing call — with one exception a
@@ -62,6 +63,7 @@ __all__ = (
     "AgentStoreSchemaError",
     "AgentStoreUnavailableError",
     "AgentToolFenceLostError",
+    "AppError",
     "ThreadlineError",
 )
 
@@ -241,3 +243,43 @@ class AgentToolFenceLostError(ThreadlineError):
 
 class AgentContextOverflowError(ThreadlineError):
     """A prepared step cannot fit the selected model's context window; the run ends ``context_overflow``."""
+
+
+APP_ERROR_STATUS: dict[str, int] = {
+    "BAD_REQUEST": 400,
+    "INVALID_ARGUMENTS": 400,
+    "INVALID_CONTEXT": 400,
+    "UNAUTHORIZED": 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "UNKNOWN_TOOL": 404,
+    "SPILL_REFERENCE_UNKNOWN": 404,
+    "CONFLICT": 409,
+    "PAYLOAD_TOO_LARGE": 413,
+    "UNPROCESSABLE_ENTITY": 422,
+    "TOO_MANY_REQUESTS": 429,
+    "INTERNAL_SERVER_ERROR": 500,
+    "SERVICE_UNAVAILABLE": 503,
+    "SANDBOX_UNAVAILABLE": 503,
+    "TIMEOUT": 504,
+    "TOOL_VALUE_REFUSED": 422,
+    "STEP_VALUE_REFUSED": 422,
+}
+"""The one map from an error code to its HTTP status (stitchkit's ``STITCH_ERROR_STATUS``); a code it does not
+name is 500."""
+
+
+class AppError(ThreadlineError):
+    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model.
+    ``status`` is the code's HTTP status from :data:`APP_ERROR_STATUS` (500 for a code it does not name)."""
+
+    def __init__(
+        self, code: str, message: str, details: Any = None, hint: str | None = None, *, retryable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details
+        self.hint = hint
+        self.retryable = retryable
+        self.status = APP_ERROR_STATUS.get(code, 500)

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -82,17 +83,21 @@ from .events import (
     delivered_parts,
     durable_event_id,
 )
+from .failures import FAILURE_REASONS, describe_run_failure
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
 from .ledger.digests import PrefixDigests
 from .ledger.requests import provider_request_records
 from .models import AgentModelDescriptor, response_provider
+from .output import AgentOutput, OutputJudgement
 from .protocol import AgentProtocol
 from .records import (
     TEMPLATE_TIME,
+    AgentRunFailure,
     ApprovalRequestPart,
     ControlPart,
+    FailureOrigin,
     InputJoinedPart,
     Message,
     Part,
@@ -118,9 +123,12 @@ from .tools import (
     compose_tool_lifecycle,
     create_agent_tool_fence_lifecycle,
     error_envelope,
+    tool_result,
 )
 from .usage import NO_USAGE, AgentUsage
 
+_store_log = logging.getLogger("threadline.store")
+_tool_log = logging.getLogger("threadline.tools")
 INTERRUPTED_REASONS = frozenset({"interrupted", "cancelled", "shutdown"})
 PROGRESS_MIN_INTERVAL = 0.25
 """Seconds: a tool's progress reports closer together than this are dropped."""
@@ -133,17 +141,43 @@ T = TypeVar("T")
 async def with_store_retry(call: Callable[[], Awaitable[T]]) -> T:
     """Retry a failing store call for about half a second. Decisions (conflicts, purges, unknown ids,
     bad input) are answers, not failures, and pass through at once. Retries bound a call that fails,
-    not one that hangs: give the store its own timeouts."""
+    not one that hangs: give the store its own timeouts. Giving up is logged (``threadline.store``, a
+    warning: whoever handles the error it raises logs the traceback)."""
     for delay in _RETRY_DELAYS:
         try:
             return await call()
         except _DECISIONS:
             raise
-        except Exception:
+        except Exception as error:
             if delay is None:
+                _store_log.warning(
+                    "a store call failed %d times in a row; giving up: %s: %s",
+                    len(_RETRY_DELAYS),
+                    type(error).__name__,
+                    error,
+                )
                 raise
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def _log_tool_failure(run: Run, tool_name: str, call_id: str, error: BaseException, envelope: Any) -> None:
+    """A tool call failed; the model sees ``envelope``. An :class:`AppError` is the application's own
+    answer (info, no traceback); anything else is a defect somewhere: an error with its traceback."""
+    if isinstance(error, AppError):
+        _tool_log.info(
+            "tool %r (call %s, run %s) refused: %s: %s", tool_name, call_id, run.id, error.code, error.message
+        )
+        return
+    _tool_log.error(
+        "tool %r (call %s, run %s) raised %s; the model saw %s",
+        tool_name,
+        call_id,
+        run.id,
+        type(error).__name__,
+        envelope.get("error"),
+        exc_info=error,
+    )
 
 
 COMPLETED_REASONS = frozenset({"success", "policy_stop", "provider_stop"})
@@ -219,12 +253,18 @@ class _FenceLost(Exception):
 
 
 class _Failure(Exception):
-    """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception."""
+    """A classified failure: ``reason`` is the terminal reason, ``cause`` the original exception, ``origin``
+    where it happened (None: by the reason; see :func:`threadline.failures.describe_run_failure`)."""
 
-    def __init__(self, reason: str, cause: BaseException) -> None:
+    def __init__(
+        self, reason: str, cause: BaseException, origin: FailureOrigin | None = None, summary: str | None = None
+    ) -> None:
         super().__init__(f"{reason}: {cause!r}")
         self.reason = reason
         self.cause = cause
+        self.origin = origin
+        self.summary = summary
+        """Why, in words, when the cause's own text would not say it."""
         self.partial: list[Part] = []
         self.response: ModelResponse | None = None
         """What the provider had sent before a failed request (its response identity, partial usage)."""
@@ -395,6 +435,8 @@ class LoopEnv:
     lease: tuple[float, Callable[[], Any]] | None = None
     """(duration, next expiry) when runs carry leases: the execution renews every third of the duration."""
     projection_options: AgentHistoryProjectionOptions = field(default_factory=AgentHistoryProjectionOptions)
+    output: AgentOutput | None = None
+    """The structured output this run's answer is validated as (``threadline.output``), if any."""
     _options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = field(default_factory=dict)
 
     def projection_options_for(self, provider_name: str | None) -> AgentHistoryProjectionOptions:
@@ -475,10 +517,6 @@ def canonical_parts(response: ModelResponse, provider: str) -> list[Part]:
         else:
             parts.append(ProviderPart(envelope=_envelope(provider, {"part": p})))
     return parts
-
-
-def _json_safe(value: Any) -> Any:
-    return to_jsonable_python(value)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -576,7 +614,7 @@ class _OwnedRun:
                 except AgentStoreConflictError as error:
                     raise _Failure("storage_conflict", error) from error
                 except Exception as error:  # the store failed: the run cannot continue durably
-                    raise _Failure("runtime_failure", error) from error
+                    raise _Failure("runtime_failure", error, "storage") from error
                 self.run = result.run
                 for committed in done:
                     committed()
@@ -675,7 +713,7 @@ class _OwnedRun:
         try:
             current = await self._still_owned()
         except Exception as error:
-            raise _Failure("runtime_failure", error) from error
+            raise _Failure("runtime_failure", error, "storage") from error
         if current is None:
             raise _FenceLost(RuntimeError(f"run {self.run.id} is no longer owned by {self.env.owner_id}"))
 
@@ -717,6 +755,10 @@ class _Execution:
         """This run's assistant as each request sees it (built once; every step swaps in its parts)."""
         self._last_step: tuple[RunOperation | None, RunOperation] | None = None
         """(first output, completion) of a final step: the terminal commit records them (one commit)."""
+        self.output_value: Any = None
+        """The validated structured output of the final step (``env.output``), once there is one."""
+        self._output_retries = 0
+        self._output_feedback: tuple[Any, ...] = ()
 
     @property
     def run(self) -> Run:
@@ -790,13 +832,13 @@ class _Execution:
             raise _Aborted()
         return result
 
-    async def _callback(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _callback(self, fn: Callable[..., Any], *args: Any, origin: FailureOrigin = "runtime") -> Any:
         try:
             return await _maybe_await(fn(*args))
         except AgentContextOverflowError as error:
             raise _Failure("context_overflow", error) from error
         except Exception as error:
-            raise _Failure("runtime_failure", error) from error
+            raise _Failure("runtime_failure", error, origin) from error
 
     async def _join_injections(self, step: int) -> None:
         """At a step boundary, let offered ``inject`` runs join; only still-queued, unstarted runs qualify.
@@ -1084,7 +1126,7 @@ class _Execution:
                 _durability=self.env.settings.step_durability,
                 _joined_run_ids=tuple(self.claims),
             )
-            output = _json_safe(await tool.call(ctx, args))
+            output = tool_result(tool_name, await tool.call(ctx, args))
             # The fence again before the result is accepted (the run may have been taken over meanwhile):
             # through the lifecycle, whose fence reads the run before an application hook sees the output;
             # without one, by the run's next owned commit, whose compare-and-swap takes the result into the
@@ -1100,6 +1142,7 @@ class _Execution:
             if lifecycle is not None:
                 await lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
+            _log_tool_failure(self.run, tool_name, call_id, error, envelope)
             self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="failed", error=envelope)
             return ToolResultPart(call_id=call_id, tool_name=tool_name, outcome="error", output=envelope)
         self._finished_calls.add(call_id)
@@ -1111,7 +1154,7 @@ class _Execution:
         if rule is None:
             return False
         if callable(rule):
-            return bool(await self._callback(rule, call))
+            return bool(await self._callback(rule, call, origin="tool"))
         return call.tool_name in rule
 
     def _approval_request(self, call: ToolCallPart) -> ApprovalRequestPart:
@@ -1150,7 +1193,9 @@ class _Execution:
                 identity = {"run_id": self.run.id, "approval_id": response.approval_id, "call_id": response.call_id}
                 self.owned.attach([_ledger("approval/response-rejected", {**identity, "reason": rejected})])
                 raise _Failure(
-                    "runtime_failure", AgentApprovalInvalidError(f"approval {response.approval_id!r} {rejected}")
+                    "runtime_failure",
+                    AgentApprovalInvalidError(f"approval {response.approval_id!r} {rejected}"),
+                    "tool",
                 )
             assert request is not None
             call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
@@ -1293,7 +1338,7 @@ class _Execution:
         env = self.env
         model = await self._callback(env.resolve_model, self)
         instructions = await self._callback(env.instructions, self)
-        tools = list(await self._callback(env.tools, self))
+        tools = list(await self._callback(env.tools, self, origin="tool"))
         by_name = {t.name: t for t in tools}
         if env.settings.tool_lifecycle is not None:
             self._lifecycle = compose_tool_lifecycle(
@@ -1334,8 +1379,14 @@ class _Execution:
                 # the prompt's parts and the history's system part; text prepare_step replaced goes as it is
                 instruction_parts=request_instruction_parts(ctx.instructions),
             )
+            output = env.output
+            messages = ctx.messages
+            if output is not None:
+                params = output.parameters(params)
+                if self._output_feedback:  # the withdrawn invalid answer and the retry prompt, once
+                    messages, self._output_feedback = [*messages, *self._output_feedback], ()
             try:
-                response, first_at = await self._stream(operation, ctx.model, ctx.messages, params)
+                response, first_at = await self._stream(operation, ctx.model, messages, params)
             except _Failure as failure:
                 self._step_finished(step, ctx.model, failure.response)
                 if await self._retry(failure, step, attempt_start):
@@ -1348,11 +1399,30 @@ class _Execution:
             identity = self._step_finished(step, ctx.model, response, first)
             self._record_response(step, identity)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
-            self.parts.extend(produced)
             # step finish: the response and the request's completion in one commit
             completed = evolve(operation, {"phase": "completed", "finished_at": _now(), "first_output_at": first_at})
+            answered = ()
+            if output is not None:
+                judgement = output.judge(produced)
+                if judgement.kind == "valid":  # the final answer: its finish is written by the terminal commit
+                    self.parts.extend((*produced, *judgement.results))
+                    self.output_value = judgement.value
+                    self._last_step = (first, completed)
+                    return ("provider_stop" if response.finish_reason == "length" else "success"), None
+                if judgement.kind != "tools":
+                    self._output_rejected(output, judgement, produced, (first, completed))
+                    if judgement.kind == "invalid-text":  # withdrawn: the next request carries it back
+                        self._transient(AttemptResetEvent, step=step, attempt=self.attempt)
+                        self._output_feedback = judgement.feedback
+                        await self._checkpoint(self.parts, completed, preceding=first)
+                        step += 1
+                        continue
+                    answered = judgement.results  # the output call's answer, recorded after this round
+            self.parts.extend(produced)
             calls = [p for p in produced if isinstance(p, ToolCallPart)]
-            if not calls:  # the last step: its finish is written by the terminal commit, right after
+            if answered:
+                calls = [c for c in calls if c.tool_name not in output.tool_names]  # type: ignore[union-attr]
+            if not calls and not answered:  # the last step: its finish is written by the terminal commit
                 self._last_step = (first, completed)
                 return ("provider_stop" if response.finish_reason == "length" else "success"), None
             await self._checkpoint(self.parts, completed, preceding=first)
@@ -1372,6 +1442,7 @@ class _Execution:
             finally:
                 self.owned.vouched = False
             self.parts.extend(results)
+            self.parts.extend(answered)
             if held:  # the run pauses: signed requests are stored on its assistant before any effect
                 self.parts.extend(self._approval_request(c) for c in held)
                 self._paused = True
@@ -1381,10 +1452,29 @@ class _Execution:
             if env.settings.stop_policies and self._lifecycle is None:
                 await self.owned.fence(after=True)  # application code is about to see the results
             for policy in env.settings.stop_policies:
-                if await self._callback(policy.should_stop, ctx):
+                if await self._callback(policy.should_stop, ctx, origin="policy"):
                     return "policy_stop", policy.name
             step += 1
         return "policy_stop", "max-steps"
+
+    def _output_rejected(
+        self,
+        output: AgentOutput,
+        judgement: OutputJudgement,
+        produced: Sequence[Part],
+        last_step: tuple[RunOperation | None, RunOperation],
+    ) -> None:
+        """Count one invalid output; past ``output.retries`` the run ends ``output_rejected`` with the
+        invalid answer kept as evidence (the terminal commit records the step's finish)."""
+        if self._output_retries < output.retries:
+            self._output_retries += 1
+            return
+        self.parts.extend((*produced, *judgement.results))
+        self._last_step = last_step
+        tries = self._output_retries + 1
+        said = f"the model's output did not fit {output.name} after {tries} attempt{'s' * (tries > 1)}"
+        cause = judgement.error or ValueError(judgement.summary)
+        raise _Failure("output_rejected", cause, "policy", f"{said}: {judgement.summary}")
 
     async def _resume(self) -> int:
         """Continue a run acquired again (requeued after a crash, taken over) from its durable draft: the
@@ -1512,12 +1602,14 @@ class _Execution:
     async def _execute(self) -> RunOutcome:
         cause: BaseException | None = None
         policy_name: str | None = None
+        origin: FailureOrigin | None = None
+        said: str | None = None  # why, when nothing raised
         try:
             reason, policy_name = await self._steps()
         except _Aborted:
             reason = self.control.abort_reason or "interrupted"
         except _Failure as failure:
-            reason, cause = failure.reason, failure.cause
+            reason, cause, origin, said = failure.reason, failure.cause, failure.origin, failure.summary
             if self.control.aborted:  # an abort that surfaced as a failure is still the abort
                 reason = self.control.abort_reason or reason
         except _FenceLost as lost:
@@ -1526,19 +1618,25 @@ class _Execution:
             reason, cause = "runtime_failure", error
         if reason in COMPLETED_REASONS and not self._paused:  # a pause for approval is answered, not judged
             try:
-                accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name)
+                accepted = self.env.protocol.accept_terminal(self.parts, reason, policy_name, self.output_value)
             except Exception as error:  # the application's acceptance callback failed
-                reason, policy_name, cause = "runtime_failure", None, error
+                reason, policy_name, cause, origin = "runtime_failure", None, error, "policy"
             else:
                 if not accepted:
                     reason, policy_name = "output_rejected", None
+                    rule = self.env.protocol.terminal_acceptance
+                    named = repr(rule) if isinstance(rule, str) else "a callback"
+                    said = f"the protocol's terminal acceptance ({named}) refused the answer"
         if self.admitted is not None:  # the run ended before its admitted request was made: say so
             phase, detail = ("cancelled", None) if reason in INTERRUPTED_REASONS else ("failed", reason)
             ended = evolve(self.admitted, {"phase": phase, "finished_at": _now(), "detail": detail})
             self._last_step, self.admitted = (None, ended), None
-        return await self._commit(reason, policy_name, cause)
+        failure = describe_run_failure(reason, cause, origin, said) if reason in FAILURE_REASONS else None
+        return await self._commit(reason, policy_name, cause, failure)
 
-    async def _commit(self, reason: str, policy_name: str | None, cause: BaseException | None) -> RunOutcome:
+    async def _commit(
+        self, reason: str, policy_name: str | None, cause: BaseException | None, failure: AgentRunFailure | None
+    ) -> RunOutcome:
         parts = list(self.parts)
         if reason in INTERRUPTED_REASONS:
             parts = [p for p in parts if p.type != "control"] + [ControlPart()]
@@ -1560,6 +1658,7 @@ class _Execution:
                     operation=self._last_step[1] if self._last_step is not None else None,
                     usage=self.total_usage(),
                     events=list(self.owned.attached),
+                    failure=failure if reason in FAILURE_REASONS else None,
                 )
                 result = await with_store_retry(commit)
             except AgentRunRevisionConflictError as error:

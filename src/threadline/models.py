@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 from pydantic_ai.exceptions import UserError
 from pydantic_ai.models import Model, infer_model
 
-from .errors import AgentRuntimeUsageError
+from .errors import AgentConfigError, AgentRuntimeUsageError
 
 logger = logging.getLogger("threadline.models")
 
@@ -100,10 +100,12 @@ class _Declaration:
 
 
 class AgentModelRegistry:
-    """Resolve declared models by name. Build it with :func:`define_model_registry`."""
+    """Resolve declared models by name. Build it with :func:`define_model_registry`. ``default`` is the model
+    a runtime given the registry itself (``models=registry``) uses for every run."""
 
-    def __init__(self, declarations: Mapping[str, _Declaration]) -> None:
+    def __init__(self, declarations: Mapping[str, _Declaration], default: str | None = None) -> None:
         self._declarations = dict(declarations)
+        self.default = default if default is not None or len(self._declarations) != 1 else next(iter(declarations))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -145,30 +147,72 @@ class AgentModelRegistry:
         )
 
 
-def define_model_registry(*, models: Mapping[str, Mapping[str, Any]]) -> AgentModelRegistry:
+_SPEC_KEYS = ("model", "context_window", "capabilities", "resolve_response_provider")
+
+
+def define_model_registry(*, models: Mapping[str, Mapping[str, Any]], default: str | None = None) -> AgentModelRegistry:
     """Declare models: ``{name: {"model": <pydantic-ai Model or name>, "context_window": int,
     "capabilities": [...], "resolve_response_provider": callable}}`` (only ``model`` is required;
-    ``resolve_response_provider``: see :func:`openrouter_response_provider`). Unknown keys are refused so
-    typos do not pass silently."""
+    ``resolve_response_provider``: see :func:`openrouter_response_provider`); ``default`` names the model a
+    runtime given the registry itself uses (a registry of one model defaults to it). Everything is checked
+    here, where it is given: a bad value raises :class:`~threadline.errors.AgentConfigError` naming it
+    (``models['fast'].context_window``), unknown keys included, so typos do not pass silently. A model name
+    is only resolved (its provider built, its credentials read) on first use."""
+    if not isinstance(models, Mapping) or not models:
+        raise AgentConfigError(
+            "models is a non-empty dict of {name: {'model': ..., 'context_window': ..., 'capabilities': [...]}}, "
+            f"got {models!r}"[:300],
+            field="models",
+        )
     declarations = {}
     for name, spec in models.items():
-        unknown = set(spec) - {"model", "context_window", "capabilities", "resolve_response_provider"}
+        where = f"models[{name!r}]"
+        if not isinstance(name, str) or not name:
+            raise AgentConfigError(f"model names are non-empty strings, got {name!r}", field="models")
+        if not isinstance(spec, Mapping):
+            raise AgentConfigError(
+                f"{where} is a dict such as {{'model': 'openai:gpt-4.1-mini', 'context_window': 1047576}}, "
+                f"got {type(spec).__name__}",
+                field=where,
+            )
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
         if unknown:
-            raise AgentRuntimeUsageError(f"models[{name!r}] has unknown keys {sorted(unknown)}")
+            raise AgentConfigError(
+                f"{where} has unknown keys {unknown}; known: {list(_SPEC_KEYS)}", field=f"{where}.{unknown[0]}"
+            )
         model = spec.get("model")
         if not isinstance(model, Model | str) or not model:
-            raise AgentRuntimeUsageError(f"models[{name!r}].model is a pydantic-ai Model or a model name")
+            raise AgentConfigError(
+                f"{where}.model is a pydantic-ai Model or a model name such as 'openai:gpt-4.1-mini', got {model!r}",
+                field=f"{where}.model",
+            )
         window = spec.get("context_window")
-        if window is not None and (not isinstance(window, int) or window < 0):
-            raise AgentRuntimeUsageError(f"models[{name!r}].context_window is a non-negative integer")
+        if window is not None and (type(window) is not int or window < 1):
+            raise AgentConfigError(
+                f"{where}.context_window is None or a positive int (tokens), got {window!r}",
+                field=f"{where}.context_window",
+            )
         capabilities = spec.get("capabilities", ())
-        if isinstance(capabilities, str):
-            raise AgentRuntimeUsageError(f"models[{name!r}].capabilities is a list of names, not a string")
+        listed = (
+            tuple(capabilities)
+            if isinstance(capabilities, Iterable) and not isinstance(capabilities, str | bytes | Mapping)
+            else None
+        )
+        if listed is None or not all(isinstance(c, str) and c for c in listed):
+            raise AgentConfigError(
+                f"{where}.capabilities is a list of names such as ['tools', 'vision'], got {capabilities!r}",
+                field=f"{where}.capabilities",
+            )
         resolver = spec.get("resolve_response_provider")
         if resolver is not None and not callable(resolver):
-            raise AgentRuntimeUsageError(
-                f"models[{name!r}].resolve_response_provider is a callable receiving a pydantic-ai ModelResponse "
-                "and returning a provider name or None (e.g. threadline.openrouter_response_provider)"
+            raise AgentConfigError(
+                f"{where}.resolve_response_provider is a callable receiving a pydantic-ai ModelResponse and "
+                "returning a provider name or None (e.g. threadline.openrouter_response_provider)",
+                field=f"{where}.resolve_response_provider",
             )
-        declarations[name] = _Declaration(name, model, window, frozenset(capabilities), resolver)
-    return AgentModelRegistry(declarations)
+        declarations[name] = _Declaration(name, model, window, frozenset(listed), resolver)
+    if default is not None and default not in declarations:
+        raise AgentConfigError(
+            f"default is one of the declared models {sorted(declarations)}, got {default!r}", field="default"
+        )
+    return AgentModelRegistry(declarations, default)

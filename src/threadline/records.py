@@ -11,6 +11,7 @@ position and are ordered after the settled ones by run execution order.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeAlias, get_args
@@ -29,7 +30,7 @@ from pydantic import (
 )
 
 from ._evolve import build as build, evolve as evolve
-from .errors import AgentRecordSchemaVersionError
+from .errors import AgentRecordSchemaVersionError, AgentRecordValidationError
 from .usage import AgentUsage, stored_usage
 
 STORAGE = object()
@@ -45,6 +46,42 @@ Timestamp: TypeAlias = datetime
 TEMPLATE_TIME: Timestamp = datetime(1970, 1, 1, tzinfo=UTC)
 """The placeholder time of template records (the reducer copies templates with :func:`evolve` rather than
 validate what it built itself; it reads no clock)."""
+
+
+# -------------------------------------------------------------------------------------------------- ids
+
+ID_MAX_LENGTH = 512
+"""Characters: the longest id (conversation, run, message, idempotency key, seed key, owner) accepted."""
+_ID_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def id_problem(value: object) -> str | None:
+    """Why ``value`` is not an id, or None. **The id rule**, the same for conversation ids, run ids, message
+    ids, idempotency keys, seed keys and owner ids, on every store: a ``str`` of 1 to :data:`ID_MAX_LENGTH`
+    characters holding no control character (U+0000–U+001F and U+007F: NUL included, which PostgreSQL
+    cannot store). Any other Unicode is allowed; case matters and nothing is trimmed. The ids threadline
+    draws itself (``run_…``, ``msg_…``) follow it."""
+    if type(value) is not str:
+        return f"an id is a str, got {type(value).__name__}"
+    if not value:
+        return "an id is not empty"
+    if len(value) > ID_MAX_LENGTH:
+        return f"an id has at most {ID_MAX_LENGTH} characters, got {len(value)}"
+    found = _ID_FORBIDDEN.search(value)
+    if found is not None:
+        return f"an id holds no control character, got {found.group()!r} at index {found.start()}"
+    return None
+
+
+def check_id(value: object, field: str) -> None:
+    """Refuse ``value`` unless it follows the id rule (:func:`id_problem`): an
+    :class:`~threadline.errors.AgentRecordValidationError` naming ``field``."""
+    if type(value) is str and 0 < len(value) <= ID_MAX_LENGTH and _ID_FORBIDDEN.search(value) is None:
+        return  # the usual case, in one expression: this runs for every id of every store operation
+    problem = id_problem(value)
+    if problem is not None:
+        shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "…"
+        raise AgentRecordValidationError(f"{field}: {problem} ({shown!r})", field=field)
 
 
 class _Record(BaseModel):
@@ -349,6 +386,28 @@ class RunOperation(_Record):
     detail: str | None = None
 
 
+FailureOrigin = Literal["provider", "runtime", "storage", "tool", "policy"]
+FAILURE_SUMMARY_MAX = 300
+"""Characters: a failure's summary is cut to this length."""
+
+
+class AgentRunFailure(_Record):
+    """Why a run failed, in words safe to store and to show an operator: ``Run.failure`` and
+    ``AgentRuntimeResult.error``. Never a request body, a response body or a credential.
+
+    ``origin`` is where it happened: ``provider`` (the provider's stream or its silence), ``storage`` (a store
+    mutation refused or failing), ``tool`` (tool approval or a tool hook outside the model's envelope),
+    ``policy`` (a stop policy, the protocol's terminal acceptance, structured output the model could not give)
+    or ``runtime`` (the application's callbacks and anything else). ``exception_type`` is the qualified name
+    of the exception (None when nothing raised: a refusal by the protocol), ``status_code`` the HTTP status
+    when the provider answered with one, ``summary`` at most :data:`FAILURE_SUMMARY_MAX` characters."""
+
+    origin: FailureOrigin
+    exception_type: str | None = None
+    status_code: int | None = None
+    summary: str = Field(max_length=FAILURE_SUMMARY_MAX)
+
+
 class Run(_Durable):
     """One execution of a model turn for one or more inputs."""
 
@@ -370,6 +429,10 @@ class Run(_Durable):
     absorbed_into_run_id: str | None = None
     absorbed_run_ids: tuple[str, ...] = ()
     last_operation: RunOperation | None = None
+    failure: AgentRunFailure | None = Field(default=None, exclude_if=lambda failure: failure is None)
+    """Why the run failed (set by its terminal commit for ``provider_failure``, ``runtime_failure``,
+    ``storage_conflict``, ``context_overflow``, ``output_rejected`` and ``timeout``); None otherwise. Left out
+    of the JSON when None: rows written before it existed read back unchanged, and so do runs without one."""
     usage: AgentUsage = AgentUsage()
     """What the run spent so far, cumulative over every attempt and execution (a run requeued after a crash
     keeps what its earlier executions committed) and every compaction invocation's reported spend, with the

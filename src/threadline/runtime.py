@@ -16,13 +16,24 @@ import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ._logging import ThrottledLog
 from .approvals import AgentApprovalError, AgentPendingApproval, approval_state, pending_approvals
+from .config import (
+    HistoryConfig as HistoryConfig,
+    LoopConfig as LoopConfig,
+    RunsConfig as RunsConfig,
+    model_hooks as _model_hooks,
+    prompt_source as _prompt_source,
+    runtime_store as _runtime_store,
+    section,
+    tool_source as _tool_source,
+)
 from .coordinator import INPUT_POLICIES, Lane, Step, Waiters, call_maybe_async, quiet
 from .errors import (
     AgentConfigError,
@@ -47,32 +58,34 @@ from .events import (
     describe_internal_cause,
     durable_event_id,
 )
+from .following import AGENT_TICKET_EVENTS_MAX, Followers, RunFollower
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import ComposedAgentPrompt, agent_instructions
 from .history.view import ConversationView
-from .inputs import check_input_parts
+from .inputs import check_input_parts, check_input_size, input_parts
 from .loop import (
-    AgentRetryPolicy,
     LoopEnv,
     LoopSettings,
     RunControl,
-    StopPolicy,
+    RunOutcome,
     execute_run,
     model_request,
     with_store_retry,
 )
 from .models import AgentModelDescriptor
+from .output import OUTPUT_RETRIES, AgentOutput, agent_output
 from .protocol import AgentProtocol
-from .records import TEMPLATE_TIME, Message, Run, RunOperation, build, validate_parts
-from .store.aggregate import AgentRuntimeStore
+from .records import TEMPLATE_TIME, AgentRunFailure, Message, Run, RunOperation, build, evolve
+from .store.aggregate import AgentRuntimeStore, new_id
 from .store.driver import Purge, Write
 from .store.reducer import order_recoverable
 from .store.results import InterruptResult, RecoverResult
-from .tools import AgentTool, AgentToolLifecycle
+from .tools import AgentTool
 from .usage import AgentUsage
 
 C = TypeVar("C")
 _log = logging.getLogger("threadline.runtime")
+_events_log = logging.getLogger("threadline.events")
 VIEW_CACHE_LIMIT = 256
 """Conversations whose history views a runtime keeps in memory; older ones are rebuilt on next use."""
 _LISTEN_RETRY_S = 1.0  # a store that could not listen is asked again at most this often
@@ -94,76 +107,6 @@ def _takes_argument(hook: Callable[..., Any]) -> bool:
     if len(_ARITY) > 256:  # runtimes built again and again with fresh lambdas: stay bounded
         _ARITY.clear()
     return takes
-
-
-# ------------------------------------------------------------------------------------------ config
-
-
-@dataclass
-class RunsConfig:
-    """``input_policy``: a policy name or a function of the raw input returning one.
-    ``coalesce_pending``: later inputs join the single queued successor."""
-
-    input_policy: str | Callable[[AgentRuntimeInput], str] = "queue"
-    coalesce_pending: bool = False
-    owner_id: str | None = None
-    execute: bool = True
-    """False: this runtime only admits input (a web process, say) and tickets follow the stored runs
-    while other processes (``serve``, ``threadline worker``) execute them."""
-    watch_interval: float = 0.5
-    """Seconds between reads of a run executed elsewhere (``execute=False``), at most."""
-    lease_duration: float | None = None
-    """Seconds: when set, an executing run carries a lease (``lease_expires_at``) that this runtime renews
-    every third of it; another process may take the run over only once the lease expired (see
-    :func:`takeover_expired_leases`)."""
-    resolve_context: Callable[[Run], Any] | None = None
-    """The raw context of a run this runtime did not admit (sync or async; parsed with the protocol). When a
-    run this runtime executed ends, it starts the conversation's next queued run, whoever admitted it:
-    another process's queued input is then answered here instead of waiting for ``recover()``. Without it,
-    the ``resolve_context`` of this runtime's last ``recover()`` or ``serve()`` is used; with neither, such
-    a run waits for its admitter, ``resume()`` or ``recover()``."""
-
-
-@dataclass
-class LoopConfig:
-    checkpoint_every_events: int = 20
-    idle_timeout: float | None = None
-    max_steps: int = 20
-    stop_policies: Sequence[StopPolicy | Mapping[str, Any]] = ()
-    prepare_step: Callable[..., Any] | None = None
-    model_settings: Mapping[str, Any] | None = None
-    retry: AgentRetryPolicy | Mapping[str, Any] | None = None
-    tool_lifecycle: AgentToolLifecycle | None = None
-    tool_approval: Callable[..., Any] | Collection[str] | None = None
-    tool_approval_secret: str | bytes | None = None
-    step_durability: Any = None
-    """Behind ``ctx.step`` in tools, e.g. ``create_local_step_durability("steps.db")``; the application
-    creates and closes it."""
-
-
-@dataclass
-class HistoryConfig:
-    interrupted_assistant: Literal["assistant-marked", "system-note", "omit"] = "assistant-marked"
-    evidence_policy: Any = None
-    incomplete_tool_turn: Literal["drop", "error"] = "drop"
-    unresolved_file: Literal["omit", "text", "error"] = "omit"
-    resolve_file: Callable[..., Any] | None = None
-    compaction: Callable[..., Any] | None = None
-    """Runtime-managed compaction: called before every step with an ``AgentCompactionRequest``."""
-
-
-def _section(cls: type[C], value: C | Mapping[str, Any] | None, name: str) -> C:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise AgentRuntimeUsageError(f"{name} is a dict or a {cls.__name__}, got {type(value).__name__}")
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = set(value) - known
-    if unknown:
-        raise AgentRuntimeUsageError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**value)
 
 
 # ----------------------------------------------------------------------------------------- results
@@ -244,10 +187,31 @@ class AgentRuntimeResult(BaseModel):
     answered_by_run_id: str | None = None
     """The run whose assistant answered this input: the run itself once completed, the absorbing run for
     an absorbed input, None when the input got no answer (interrupted, failed, ...)."""
+    output: Any = None
+    """The answer as the declared structured output (``define_agent_protocol(output=...)`` or
+    ``submit(output=...)``): the validated value (a ``City``), read back from the stored answer — so a
+    duplicate submission or a run read from the store has it too. None without a declared output or
+    without an answer."""
 
     @property
     def answered(self) -> bool:
         return self.answered_by_run_id is not None
+
+    @property
+    def error(self) -> AgentRunFailure | None:
+        """Why the run failed (:attr:`Run.failure`: origin, exception type, HTTP status, a bounded summary),
+        or None — for an answered input, and for one that was interrupted, superseded, cancelled or
+        abandoned, where ``terminal_reason`` says all there is. The traceback is in the log
+        (``threadline.runtime``), never here."""
+        return self.run.failure
+
+    @property
+    def text(self) -> str:
+        """The answer's text parts joined ("" without an answer): what a chat shows."""
+        assistant = self.assistant
+        if assistant is None:
+            return ""
+        return "".join(p.text for p in assistant.parts if p.type == "text")
 
 
 # What a turn's admission and result are copied from (``build``): every value comes from store records or
@@ -277,6 +241,7 @@ _RESULT = AgentRuntimeResult(
     policy_name=None,
     metrics=None,
     answered_by_run_id=None,
+    output=None,
 )
 
 
@@ -308,6 +273,29 @@ class AgentRuntimeTicket:
     accepted: asyncio.Future[AgentAdmission]
     result: asyncio.Future[AgentRuntimeResult]
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    idempotency_key: str | None = None
+    """The key the input was submitted with (drawn by ``submit`` when none was given): retry with it."""
+    run_id: str | None = None
+    """The run this ticket follows, once known (after admission; at once for ``resume``)."""
+    _runtime: AgentRuntime | None = field(default=None, repr=False)
+    _waiting: list[RunFollower] = field(default_factory=list, repr=False)
+
+    def events(self, *, capacity: int = AGENT_TICKET_EVENTS_MAX) -> RunFollower:
+        """``async for event in ticket.events():`` — this run's delivery events, in order, as this process
+        publishes them (see :mod:`threadline.following`): ``admission``, ``assistant-delta``, reasoning,
+        ``tool-status``/``tool-progress``, ``assistant-checkpoint``, ``run-operation``, ``run-state``,
+        ``attempt-reset``, ``terminal``. The iteration ends once ``result`` settled. Bounded by ``capacity``
+        events: a consumer that falls behind reads a :class:`~threadline.following.ResyncEvent` instead of
+        what it lost, and never slows the run. Call it right after ``submit`` to see every event; called
+        later, it starts with the next one. Only runs executing in this process have events between their
+        admission and their end (``runs.execute=False``: the admission, then the end of the iteration).
+        Following is observation only: cancelling the consuming task, or ``await events.aclose()``, stops
+        reading and changes nothing durable; the run goes on."""
+        if self._runtime is None:
+            raise AgentRuntimeUsageError("this ticket was not made by a runtime: it has no events to follow")
+        if type(capacity) is not int or capacity < 1:
+            raise AgentConfigError(f"capacity is an int of at least 1, got {capacity!r}", field="capacity")
+        return self._runtime._follow(self, capacity)
 
 
 @dataclass
@@ -320,23 +308,31 @@ class AgentPromptContext:
     model: AgentModelDescriptor | None = None
 
 
-def _isolated(publisher: Callable[[Any], Any] | None, event: Any) -> None:
+def _isolated(publisher: Callable[[Any], Any] | None, event: Any, failures: ThrottledLog) -> None:
+    """Hand ``event`` to ``publisher``; a failure (raised, or by the awaitable it returned) is logged, never
+    raised: a publisher cannot change a committed run."""
     if publisher is None:
         return
     try:
         outcome = publisher(event)
         if inspect.isawaitable(outcome):
             task = asyncio.ensure_future(outcome)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    except Exception:
-        pass
+            task.add_done_callback(lambda t: _publish_failed(t, event, failures))
+    except Exception as error:
+        failures.failed("a publisher raised on a %s event", getattr(event, "type", "?"), error=error)
 
 
-def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> Any:
+def _publish_failed(task: asyncio.Future[Any], event: Any, failures: ThrottledLog) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        failures.failed("a publisher failed on a %s event", getattr(event, "type", "?"), error=task.exception())
+
+
+def _result_from(run: Run, assistant: Message | None, metrics: Any = None, output: AgentOutput | None = None) -> Any:
     if run.terminal_reason == "absorbed":
         answered_by = run.absorbed_into_run_id
     else:
         answered_by = run.id if run.state == "completed" else None
+    value = output.value_of(assistant.parts) if output is not None and answered_by and assistant else None
     return build(
         _RESULT,
         {
@@ -347,7 +343,48 @@ def _result_from(run: Run, assistant: Message | None, metrics: Any = None) -> An
             "policy_name": run.policy_name,
             "metrics": metrics,
             "answered_by_run_id": answered_by,
+            "output": value,
         },
+    )
+
+
+_QUIET_FAILURES = frozenset({"timeout", "context_overflow", "output_rejected"})
+"""Failures the application asked for or the provider's silence: a warning without a traceback."""
+
+
+def _log_outcome(run: Run, outcome: RunOutcome) -> None:
+    """One log line for an execution that did not end well (nothing on the happy path): a committed
+    failure (its traceback when an exception caused it), a lost fence, or a terminal that could not be
+    committed."""
+    if outcome.lost is not None:
+        _log.warning(
+            "run %s (conversation %r) stopped without a terminal: another executor owns it now (%s)",
+            run.id,
+            run.conversation_id,
+            type(outcome.lost).__name__,
+        )
+        return
+    if outcome.unsettled is not None or outcome.reason is None:
+        _log.error(
+            "run %s (conversation %r) could not be settled: its terminal was not committed",
+            run.id,
+            run.conversation_id,
+            exc_info=outcome.unsettled,
+        )
+        return
+    failure = outcome.run.failure
+    if not outcome.committed or failure is None:
+        return
+    quiet = outcome.reason in _QUIET_FAILURES
+    _log.log(
+        logging.WARNING if quiet else logging.ERROR,
+        "run %s (conversation %r) ended %s: %s failure: %s",
+        run.id,
+        run.conversation_id,
+        outcome.reason,
+        failure.origin,
+        failure.summary,
+        exc_info=None if quiet or outcome.cause is None else outcome.cause,
     )
 
 
@@ -414,48 +451,46 @@ class AgentRuntime:
         include_internal_cause: bool = False,
     ) -> None:
         if not isinstance(protocol, AgentProtocol):
-            raise AgentRuntimeUsageError("protocol is built with define_agent_protocol(...)")
-        if not isinstance(store, AgentRuntimeStore):
-            raise AgentRuntimeUsageError("store is an AgentRuntimeStore (for SQLite: the handle's .store)")
+            raise AgentConfigError(
+                f"protocol is built with define_agent_protocol(...), got {type(protocol).__name__}", field="protocol"
+            )
         self.protocol = protocol
-        self.store = store
-        self._preflight, self._resolve = self._model_hooks(models)
-        self._prompt = prompt
-        self._tools = tools
-        self.runs = _section(RunsConfig, runs, "runs")
-        policy = self.runs.input_policy
-        if not callable(policy) and policy not in INPUT_POLICIES:
-            raise AgentRuntimeUsageError(f"runs.input_policy is one of {INPUT_POLICIES} or a function, got {policy!r}")
-        loop_config = _section(LoopConfig, loop, "loop")
+        self.store = _runtime_store(store)
+        self._preflight, self._resolve = _model_hooks(models)
+        self._prompt = _prompt_source(prompt)
+        self._tools = _tool_source(tools)
+        for name, hook in (("publish", publish), ("operator_publish", operator_publish)):
+            if hook is not None and not callable(hook):
+                raise AgentConfigError(
+                    f"{name} is None or a callable taking one event (a sink from threadline.delivery is one), "
+                    f"got {type(hook).__name__}",
+                    field=name,
+                )
+        self.runs = section(RunsConfig, runs, "runs")
+        loop_config = section(LoopConfig, loop, "loop")
         self.loop_settings = LoopSettings(
             checkpoint_every_events=loop_config.checkpoint_every_events,
             idle_timeout=loop_config.idle_timeout,
             max_steps=loop_config.max_steps,
-            stop_policies=tuple(self._stop_policy(p) for p in loop_config.stop_policies),
+            stop_policies=tuple(loop_config.stop_policies),  # type: ignore[arg-type]  # StopPolicy records now
             prepare_step=loop_config.prepare_step,
             model_settings=dict(loop_config.model_settings) if loop_config.model_settings else None,  # type: ignore[arg-type]
-            retry=None if loop_config.retry is None else _section(AgentRetryPolicy, loop_config.retry, "loop.retry"),
+            retry=loop_config.retry,  # type: ignore[arg-type]  # an AgentRetryPolicy now
             tool_lifecycle=loop_config.tool_lifecycle,
             tool_approval=loop_config.tool_approval,
             tool_approval_secret=loop_config.tool_approval_secret,
             step_durability=loop_config.step_durability,
         )
-        if loop_config.tool_approval is not None and not loop_config.tool_approval_secret:
-            raise AgentRuntimeUsageError("loop.tool_approval needs loop.tool_approval_secret to sign requests")
-        if self.loop_settings.checkpoint_every_events < 1 or self.loop_settings.max_steps < 1:
-            raise AgentRuntimeUsageError("loop.checkpoint_every_events and loop.max_steps are at least 1")
-        history_config = _section(HistoryConfig, history, "history")
-        self.projection_options = AgentHistoryProjectionOptions.model_validate(
-            {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
-        )
-        compaction = history_config.compaction
-        if isinstance(compaction, Mapping):
-            from .history.compaction import AgentCompactionHook
-
-            compaction = AgentCompactionHook.parse(compaction)
-        if compaction is not None and not callable(compaction):
-            raise AgentRuntimeUsageError("history.compaction is a callable or an AgentCompactionHook mapping")
-        self.loop_settings.compaction = compaction
+        history_config = section(HistoryConfig, history, "history")
+        try:
+            self.projection_options = AgentHistoryProjectionOptions.model_validate(
+                {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
+            )
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = "history." + ".".join(str(p) for p in first["loc"])
+            raise AgentConfigError(f"{where}: {first['msg']}", field=where) from error
+        self.loop_settings.compaction = history_config.compaction
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
         # internal causes (exception text) reach a plain callable only on request; a sink that declares
@@ -464,10 +499,14 @@ class AgentRuntime:
             raise AgentConfigError("include_internal_cause is True or False", field="include_internal_cause")
         self._hand_causes = include_internal_cause or hasattr(operator_publish, "include_internal_cause")
         self._writes = _Writes()
+        self._publish_failures = ThrottledLog(_events_log)
         self._resolver: Callable[[Run], Any] | None = self.runs.resolve_context
         # without a publisher no event is built at all
         self.publishing = publish is not None
         self.operator_publishing = operator_publish is not None
+        self._followers = Followers()
+        self._outputs: dict[str, AgentOutput] = {}  # per-run overrides of the protocol's output, by run id
+        self._live: dict[str, LoopEnv] = {}  # the environments of runs executing here, by run id
         self._sequences: dict[str, int] = {}
         self.owner_id = self.runs.owner_id or f"runtime-{uuid.uuid4().hex[:12]}"
         self.runtime_epoch = uuid.uuid4().hex
@@ -479,30 +518,10 @@ class AgentRuntime:
         self._watchers: set[asyncio.Future[None]] = set()
         self._listening: asyncio.Future[Any] | None = None
         self._listen_retry_at = 0.0  # loop time before which a failed first listen is not tried again
-        self._unobserve = store.observe(self._observed)
+        self._unobserve = self.store.observe(self._observed)
         self._options_by_provider: dict[str | None, AgentHistoryProjectionOptions] = {}
 
     # ---------------------------------------------------------------------------------- plumbing
-
-    @staticmethod
-    def _stop_policy(value: StopPolicy | Mapping[str, Any]) -> StopPolicy:
-        if isinstance(value, StopPolicy):
-            policy = value
-        elif isinstance(value, Mapping) and set(value) == {"name", "should_stop"}:
-            policy = StopPolicy(value["name"], value["should_stop"])
-        else:
-            raise AgentRuntimeUsageError("a stop policy is {'name': str, 'should_stop': callable}")
-        if policy.name == "max-steps" or not policy.name:
-            raise AgentRuntimeUsageError("stop policy names are non-empty; 'max-steps' is reserved for loop.max_steps")
-        return policy
-
-    @staticmethod
-    def _model_hooks(models: Any) -> tuple[Callable[..., Any] | None, Callable[..., Any]]:
-        preflight = models.get("preflight") if isinstance(models, Mapping) else getattr(models, "preflight", None)
-        resolve = models.get("resolve") if isinstance(models, Mapping) else getattr(models, "resolve", None)
-        if not callable(resolve):
-            raise AgentRuntimeUsageError("models needs a callable 'resolve' (and optionally 'preflight')")
-        return preflight, resolve
 
     @staticmethod
     async def _call_hook(hook: Callable[..., Any], argument: Any) -> Any:
@@ -511,21 +530,26 @@ class AgentRuntime:
         return await call_maybe_async(hook)
 
     def publish(self, event: Any) -> None:
-        """Hand a delivery event to the application's publisher. A publisher failure never changes a run."""
-        _isolated(self._publish_fn, event)
+        """Hand a delivery event to the application's publisher and to the followers of its run
+        (``ticket.events()``). A publisher failure never changes a run."""
+        _isolated(self._publish_fn, event, self._publish_failures)
+        if self._followers:
+            self._followers.deliver(event)
 
     def operator_publish(self, event: Any) -> None:
         """Hand an operator event (run-started, step-finished, run-terminal) to the operator publisher."""
-        _isolated(self._operator_publish_fn, event)
+        _isolated(self._operator_publish_fn, event, self._publish_failures)
 
     async def retry_store(self, call: Callable[[], Awaitable[C]]) -> C:
         """Retry a failing store call for about half a second (see :func:`threadline.loop.with_store_retry`)."""
         return await with_store_retry(call)
 
-    @staticmethod
-    def result_from(run: Run, assistant: Message | None) -> AgentRuntimeResult:
+    def result_from(self, run: Run, assistant: Message | None) -> AgentRuntimeResult:
         """The result of a run read from the store (this process did not apply its terminal)."""
-        return _result_from(run, assistant)
+        return self._result(run, assistant)
+
+    def _result(self, run: Run, assistant: Message | None, metrics: Any = None) -> AgentRuntimeResult:
+        return _result_from(run, assistant, metrics, self._outputs.get(run.id) or self.protocol.output)
 
     def _observed(self, write: Write | Purge) -> None:
         """Keep cached views current with this process's own writes (no read back)."""
@@ -548,8 +572,41 @@ class AgentRuntime:
             lane = self.lanes[conversation_id] = Lane(self, conversation_id)
         return lane
 
+    def _builds(self, run_id: str) -> bool:
+        """Whether events of this run go anywhere (the publisher, a ticket's follower): if not, none is
+        even built (each costs a validation)."""
+        return self.publishing or run_id in self._followers.by_run
+
+    def _follow(self, ticket: AgentRuntimeTicket, capacity: int) -> RunFollower:
+        def unfollow(follower: RunFollower) -> None:
+            if ticket.run_id is not None:
+                self._followers.unfollow(ticket.run_id, follower)
+            elif follower in ticket._waiting:
+                ticket._waiting.remove(follower)
+
+        follower = RunFollower(ticket.result, capacity, on_close=unfollow)
+        ticket.result.add_done_callback(lambda _: follower.close())
+        if ticket.run_id is None:
+            ticket._waiting.append(follower)  # until the admission names the run
+        else:
+            self._start_following(ticket.run_id, follower)
+        return follower
+
+    def _start_following(self, run_id: str, follower: RunFollower) -> None:
+        self._followers.follow(run_id, follower)
+        env = self._live.get(run_id)
+        if env is not None:
+            env.publishing = True  # executing already: its next events are built
+
+    def _bind(self, ticket: AgentRuntimeTicket, run_id: str) -> None:
+        """The admission named the ticket's run: its waiting followers follow that run from now on."""
+        ticket.run_id = run_id
+        waiting, ticket._waiting = ticket._waiting, []
+        for follower in waiting:
+            self._start_following(run_id, follower)
+
     def _publish_run_state(self, run: Run, version: int) -> None:
-        if not self.publishing:
+        if not self._builds(run.id):
             return
         self.publish(
             RunStateEvent(
@@ -568,13 +625,25 @@ class AgentRuntime:
         self,
         *,
         conversation_id: str,
-        idempotency_key: str,
-        context: Any,
-        parts: Sequence[Any],
+        parts: str | Sequence[Any],
+        context: Any = None,
+        idempotency_key: str | None = None,
         input_metadata: Any = None,
         record_ids: Mapping[str, str] | None = None,
+        output: Any = None,
     ) -> AgentRuntimeTicket:
         """Admit one input. Returns a ticket at once; call from a running event loop.
+
+        ``output`` overrides the protocol's structured output for this run (``City``, ``ToolOutput(City)``,
+        ...; checked here: :class:`~threadline.errors.AgentConfigError`). It lives in this process: a run
+        executed or read elsewhere uses the protocol's.
+
+        ``parts`` is a list of parts (``{"type": "text", "text": ...}``, a file part, or part records); a
+        ``str`` is one text part. ``context`` is validated against the protocol's context model.
+        ``idempotency_key`` identifies the input: retrying with the same key (after a timeout, a lost reply,
+        a restart) resolves to the same run and never admits it twice. Without one, a fresh key is drawn
+        (``ticket.idempotency_key``): the input is admitted once, but a retry that does not pass that key
+        admits it again as a new input.
 
         ``record_ids`` may fix ``input_message_id``, ``run_id`` and ``assistant_message_id`` (reuse the same
         input id when retrying a key). When ``admission`` resolves, the input, its receipt and its queued
@@ -582,13 +651,23 @@ class AgentRuntime:
         retry with the same key to find out.
         """
         loop = asyncio.get_running_loop()
+        declared = None
+        if output is not None:
+            retries = self.protocol.output.retries if self.protocol.output is not None else OUTPUT_RETRIES
+            declared = agent_output(output, retries=retries)
+        if idempotency_key is None:
+            idempotency_key = new_id("key")
         ticket = AgentRuntimeTicket(
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            idempotency_key=idempotency_key,
+            _runtime=self,
         )
         ticket.task = loop.create_task(
-            self._admit(ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {})
+            self._admit(
+                ticket, conversation_id, idempotency_key, context, parts, input_metadata, record_ids or {}, declared
+            )
         )
         return ticket
 
@@ -600,9 +679,13 @@ class AgentRuntime:
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            idempotency_key=idempotency_key,
+            _runtime=self,
         )
         ticket.task = loop.create_task(
-            self._admit(ticket, conversation_id, idempotency_key, context, parts, None, {}, role=role, policy=policy)
+            self._admit(
+                ticket, conversation_id, idempotency_key, context, parts, None, {}, None, role=role, policy=policy
+            )
         )
         return ticket
 
@@ -615,6 +698,7 @@ class AgentRuntime:
         parts: Sequence[Any],
         input_metadata: Any,
         record_ids: Mapping[str, str],
+        output: AgentOutput | None = None,
         *,
         role: str = "user",
         policy: str | None = None,
@@ -627,13 +711,14 @@ class AgentRuntime:
                 raise AgentRecordValidationError(f"record_ids has unknown keys {sorted(unknown)}", field="record_ids")
             parsed_context = self.protocol.parse_context(context)
             metadata = self.protocol.parse_input_metadata(input_metadata)
+            canonical_parts = input_parts(parts)
             raw = None  # built only for a callback that looks at it
             if (policy is None and callable(self.runs.input_policy)) or self._preflight is not None:
                 raw = AgentRuntimeInput(
                     conversation_id=conversation_id,
                     idempotency_key=idempotency_key,
                     context=context,
-                    parts=tuple(parts),
+                    parts=(parts,) if isinstance(parts, str) else tuple(parts),
                     input_metadata=input_metadata,
                 )
             if policy is None:
@@ -642,12 +727,9 @@ class AgentRuntime:
                 raise AgentRuntimeUsageError(f"input_policy returned {policy!r}; expected one of {INPUT_POLICIES}")
             if self._preflight is not None:
                 await self._call_hook(self._preflight, raw)
-            try:
-                canonical_parts = validate_parts(parts)
-            except Exception as error:
-                raise AgentRecordValidationError(f"parts: {error}", field="parts") from error
             check_input_parts(canonical_parts, role, self.loop_settings.tool_approval_secret)
             metadata_json = metadata.model_dump(mode="json") if isinstance(metadata, BaseModel) else (metadata or {})
+            check_input_size(canonical_parts, metadata_json, self.runs.max_input_bytes)
             # an input for a conversation this process is not running anything in is admitted and started
             # in one commit (the store starts it only if nothing is queued or running there durably)
             idle = self.lanes.get(conversation_id)
@@ -685,6 +767,9 @@ class AgentRuntime:
                 raise
             return
         run = accepted.run
+        if output is not None:
+            self._outputs[run.id] = output
+            ticket.result.add_done_callback(lambda _: self._outputs.pop(run.id, None))
         admission = build(
             _ADMISSION,
             {
@@ -696,8 +781,9 @@ class AgentRuntime:
                 "coalesced": accepted.coalesced,
             },
         )
+        self._bind(ticket, run.id)
         ticket.admission.set_result(admission)
-        if self.publishing:
+        if self._builds(run.id):
             self.publish(
                 AdmissionEvent(
                     event_id=durable_event_id(run.id, "admission", accepted.version),
@@ -706,7 +792,7 @@ class AgentRuntime:
                     version=accepted.version,
                     outcome=accepted.outcome,
                     input=accepted.receipt.input,
-                    run=run,
+                    run=run if run.failure is None else evolve(run, {"failure": None}),  # delivery omits it
                     assistant_message_id=accepted.receipt.assistant_message_id,
                     coalesced=accepted.coalesced,
                 )
@@ -715,7 +801,7 @@ class AgentRuntime:
             self._publish_run_state(run, accepted.version)
         ticket.accepted.set_result(admission)
         if run.terminal:
-            ticket.result.set_result(_result_from(run, accepted.answer))
+            ticket.result.set_result(self._result(run, accepted.answer))
             return
         self.waiters.add_result(run.id, ticket.result)
         if not self.runs.execute:
@@ -787,7 +873,7 @@ class AgentRuntime:
                     lambda: self.store.load_run(conversation_id=conversation_id, run_id=run_id)
                 )
                 if loaded is not None and loaded.run.terminal:
-                    self.waiters.resolve(run_id, _result_from(loaded.run, loaded.assistant))
+                    self.waiters.resolve(run_id, self._result(loaded.run, loaded.assistant))
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.runs.watch_interval)
@@ -866,18 +952,21 @@ class AgentRuntime:
             tools=lambda _execution: self._run_tools(prompt_ctx),
             publish=self.publish,
             operator_publish=self.operator_publish,
-            publishing=self.publishing,
+            publishing=self._builds(run.id),
             operator_publishing=self.operator_publishing,
             sequences=self._sequences,
             lease=(self.runs.lease_duration, self._lease_expiry) if self.runs.lease_duration else None,
             view=self._view(run.conversation_id),
             projection_options=self.projection_options,
+            output=self._outputs.get(run.id) or self.protocol.output,
             _options_by_provider=self._options_by_provider,
         )
+        self._live[run.id] = env
         try:
             outcome = await execute_run(env, owned, control, (first, version) if first is not None else None)
         finally:
             lane.control = None
+            del self._live[run.id]
         self._sequences.pop(run.id, None)
         if self.operator_publishing:
             self.operator_publish(
@@ -899,6 +988,7 @@ class AgentRuntime:
                     ),
                 )
             )
+        _log_outcome(run, outcome)
         if outcome.lost is not None:
             error = outcome.lost
             if not isinstance(error, AgentStoreConflictError):
@@ -918,13 +1008,13 @@ class AgentRuntime:
             )
             return Step.STOP
         metrics = build(_METRICS, {"steps": outcome.steps, "usage": outcome.usage}) if outcome.committed else None
-        result = _result_from(outcome.run, outcome.assistant, metrics)
+        result = self._result(outcome.run, outcome.assistant, metrics)
         if outcome.committed:
             if self._foreign_queue(lane, outcome.run):
                 lane.successor = True  # this runtime ended the run: it also starts what is queued behind it
             version = outcome.run.version
             self._publish_run_state(outcome.run, version)
-            if self.publishing:
+            if self._builds(run.id):
                 self.publish(
                     TerminalEvent(
                         event_id=durable_event_id(run.id, "terminal", version),
@@ -939,7 +1029,7 @@ class AgentRuntime:
                 )
             for absorbed in outcome.absorbed_runs:
                 self._publish_run_state(absorbed, version)
-                self.waiters.resolve(absorbed.id, _result_from(absorbed, outcome.assistant))
+                self.waiters.resolve(absorbed.id, self._result(absorbed, outcome.assistant))
                 lane.contexts.pop(absorbed.id, None)
         self.waiters.resolve(run.id, result)
         return Step.DONE
@@ -985,7 +1075,7 @@ class AgentRuntime:
             )
             return False
         self._publish_run_state(abandoned.run, abandoned.version)
-        self.waiters.resolve(run.id, _result_from(abandoned.run, abandoned.assistant))
+        self.waiters.resolve(run.id, self._result(abandoned.run, abandoned.assistant))
         return True
 
     async def resolve_context_of(self, run: Run) -> tuple[bool, Any]:
@@ -1155,7 +1245,7 @@ class AgentRuntime:
             stale_owner=stale_owner,
         )
         self._publish_run_state(result.run, result.version)
-        self.waiters.resolve(run_id, _result_from(result.run, result.assistant))
+        self.waiters.resolve(run_id, self._result(result.run, result.assistant))
         lane = self.lanes.get(conversation_id)
         if lane is not None:
             lane.wake()
@@ -1233,11 +1323,13 @@ class AgentRuntime:
             admission=quiet(loop.create_future()),
             accepted=quiet(loop.create_future()),
             result=quiet(loop.create_future()),
+            run_id=run_id,
+            _runtime=self,
         )
         ticket.admission.set_exception(AgentRuntimeUsageError("resume does not admit input"))
         if loaded.run.terminal:
             ticket.accepted.set_result(loaded.run)
-            ticket.result.set_result(_result_from(loaded.run, loaded.assistant))
+            ticket.result.set_result(self._result(loaded.run, loaded.assistant))
             return ticket
         if loaded.run.state != "queued":
             raise AgentRunStateConflictError(
@@ -1387,7 +1479,7 @@ class AgentRuntime:
             if loaded is None or loaded.run.terminal:
                 settled: asyncio.Future[Any] = quiet(loop.create_future())
                 if loaded is not None:
-                    settled.set_result(_result_from(loaded.run, loaded.assistant))
+                    settled.set_result(self._result(loaded.run, loaded.assistant))
                     outcomes.append(AgentRecoveryOutcome(cid, scanned.id, "resumed", result=settled))
                 continue
             run = loaded.run

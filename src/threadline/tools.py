@@ -1,67 +1,74 @@
 """Tool declaration and the error envelope a model sees when a tool fails.
 
-``define_agent_tool`` turns a typed async function (or an explicit pydantic arguments model) into a tool
-whose JSON Schema pydantic generates. Arguments from the model are validated before the handler runs.
-The loop checks the run's fence (owner, fencing token, still running) before a tool's effect and again
-before its result is accepted; losing it stops the run and is never shown to the model.
+``define_agent_tool`` turns a typed function — ``async def`` or plain ``def`` — (or an explicit pydantic
+arguments model) into a tool whose JSON Schema pydantic generates. Arguments from the model are validated
+before the handler runs. A plain function runs on a worker thread (``asyncio.to_thread``), never on the
+event loop. The loop checks the run's fence (owner, fencing token, still running) before a tool's effect
+and again before its result is accepted; losing it stops the run and is never shown to the model.
+
+A tool's result is lossless JSON at the tool boundary (the rule of :mod:`threadline.jsonvalue`): pydantic
+models, dataclasses, datetimes and the like are first made JSON (``to_jsonable_python``), then a value JSON
+cannot hold exactly (``nan``, ``inf``, ``-0.0``, a lone surrogate) refuses the call with
+:class:`AgentToolValueError` (``TOOL_VALUE_REFUSED``). What the model sees, what ``tool-status`` shows and
+what the store keeps are then the same value.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Any, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_ai.tools import ToolDefinition
+from pydantic_core import to_jsonable_python
 
-from .errors import AgentRuntimeUsageError, AgentToolFenceLostError, ThreadlineError
-
-if TYPE_CHECKING:
-    from .durability import AgentStepDurability, StepBody, StepReconcile
+from .durability import AgentStepDurability, StepBody, StepReconcile, run_agent_step
+from .errors import (
+    APP_ERROR_STATUS as APP_ERROR_STATUS,
+    AgentConfigError,
+    AgentRuntimeUsageError,
+    AgentToolFenceLostError,
+    AppError as AppError,
+)
+from .jsonvalue import LosslessJsonError, lossless_json
 
 INTERNAL_SERVER_ERROR = "INTERNAL_SERVER_ERROR"
 INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
+TOOL_VALUE_REFUSED = "TOOL_VALUE_REFUSED"
 
 
-APP_ERROR_STATUS: dict[str, int] = {
-    "BAD_REQUEST": 400,
-    INVALID_ARGUMENTS: 400,
-    "INVALID_CONTEXT": 400,
-    "UNAUTHORIZED": 401,
-    "FORBIDDEN": 403,
-    "NOT_FOUND": 404,
-    "UNKNOWN_TOOL": 404,
-    "SPILL_REFERENCE_UNKNOWN": 404,
-    "CONFLICT": 409,
-    "PAYLOAD_TOO_LARGE": 413,
-    "UNPROCESSABLE_ENTITY": 422,
-    "TOO_MANY_REQUESTS": 429,
-    INTERNAL_SERVER_ERROR: 500,
-    "SERVICE_UNAVAILABLE": 503,
-    "SANDBOX_UNAVAILABLE": 503,
-    "TIMEOUT": 504,
-}
-"""The one map from an error code to its HTTP status (stitchkit's ``STITCH_ERROR_STATUS``); a code it does not
-name is 500."""
+class AgentToolValueError(AppError):
+    """A tool returned a value that is not lossless JSON (``nan``, ``inf``, ``-0.0``, a lone surrogate, a
+    dict with a non-str key, ...). Raised **after** the tool ran: its effect happened, its result was not
+    accepted. The model sees the code, the path and the reason (``$.score: nan is not a finite JSON
+    number``); so does the stored tool result. ``tool_name``, ``path`` and ``reason`` say which value."""
+
+    def __init__(self, tool_name: str, path: str, reason: str) -> None:
+        super().__init__(
+            TOOL_VALUE_REFUSED,
+            f"tool {tool_name!r} returned a value that is not lossless JSON at {path}: {reason}",
+            details={"path": path},
+            hint="the tool ran; its result could not be recorded exactly: do not repeat an effect without checking",
+        )
+        self.tool_name = tool_name
+        self.path = path
+        self.reason = reason
 
 
-class AppError(ThreadlineError):
-    """A typed application error whose ``code``, message, ``details`` and ``hint`` may reach the model.
-    ``status`` is the code's HTTP status from :data:`APP_ERROR_STATUS` (500 for a code it does not name)."""
-
-    def __init__(
-        self, code: str, message: str, details: Any = None, hint: str | None = None, *, retryable: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.details = details
-        self.hint = hint
-        self.retryable = retryable
-        self.status = APP_ERROR_STATUS.get(code, 500)
+def tool_result(tool_name: str, value: Any) -> Any:
+    """A tool's return value as the lossless JSON the model, the events and the store all get (a detached
+    copy); :class:`AgentToolValueError` when it is not."""
+    try:
+        copied, _text = lossless_json(to_jsonable_python(value))
+    except LosslessJsonError as refused:
+        raise AgentToolValueError(tool_name, refused.path, refused.reason) from None
+    except (TypeError, ValueError) as error:  # to_jsonable_python knows no JSON form for it
+        raise AgentToolValueError(tool_name, "$", f"{type(value).__name__} has no JSON form ({error})") from None
+    return copied
 
 
 def error_envelope(error: BaseException) -> dict[str, Any]:
@@ -144,8 +151,6 @@ class AgentToolContext:
         step of the same name, it gets this proof and the body does not run again.
         See :mod:`threadline.durability`.
         """
-        from .durability import run_agent_step  # durability imports this module
-
         return await run_agent_step(
             self._durability,
             self.conversation_id,
@@ -204,11 +209,26 @@ class AgentTool:
                 INVALID_ARGUMENTS, f"{where}: {first['msg']}", hint="fix the arguments and call again"
             ) from error
 
+    @functools.cached_property
+    def is_async(self) -> bool:
+        """Whether the handler is a coroutine function (else it runs on a worker thread)."""
+        return _is_async(self.handler)
+
     async def call(self, ctx: AgentToolContext, args: BaseModel) -> Any:
+        """Run the handler with validated arguments. A plain function runs on a worker thread
+        (``asyncio.to_thread``: context variables are copied). Cancelling stops an ``async`` handler; a
+        thread cannot be stopped: the call stops waiting for it at once, its result is dropped, and the
+        function finishes on its own (an abort or a lost fence never accepts that result)."""
         values = {name: getattr(args, name) for name in type(args).model_fields}
-        if self.takes_context:
-            return await self.handler(ctx, **values)
-        return await self.handler(**values)
+        if self.is_async:
+            if self.takes_context:
+                return await self.handler(ctx, **values)
+            return await self.handler(**values)
+        call = functools.partial(self.handler, ctx, **values) if self.takes_context else functools.partial(
+            self.handler, **values
+        )
+        result = await asyncio.to_thread(call)
+        return await result if inspect.isawaitable(result) else result
 
 
 def _args_model_from_signature(fn: Callable[..., Any], name: str) -> tuple[type[BaseModel], bool]:
@@ -226,15 +246,23 @@ def _args_model_from_signature(fn: Callable[..., Any], name: str) -> tuple[type[
     return model, takes_context
 
 
+def _is_async(handler: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(handler):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004  # a callable object with an async __call__
+    return not inspect.isfunction(handler) and not inspect.ismethod(handler) and inspect.iscoroutinefunction(call)
+
+
 def define_agent_tool(
-    fn: Callable[..., Awaitable[Any]] | None = None,
+    fn: Callable[..., Any] | None = None,
     *,
     name: str | None = None,
     description: str | None = None,
     args: type[BaseModel] | None = None,
     context_schema: type[BaseModel] | None = None,
 ) -> Any:
-    """Declare a tool from an async function (usable as ``@define_agent_tool`` or with options).
+    """Declare a tool from a function (usable as ``@define_agent_tool`` or with options): an ``async def``
+    runs on the event loop, a plain ``def`` on a worker thread (blocking I/O is fine there).
 
     With ``args`` the handler receives the validated fields as keyword arguments; otherwise the schema
     comes from the function's annotated parameters. A first parameter annotated :class:`AgentToolContext`
@@ -242,9 +270,9 @@ def define_agent_tool(
     against that model (a context that does not fit refuses the call before any effect).
     """
 
-    def build(handler: Callable[..., Awaitable[Any]]) -> AgentTool:
-        if not inspect.iscoroutinefunction(handler):
-            raise AgentRuntimeUsageError(f"tool {handler!r} must be an async function")
+    def build(handler: Callable[..., Any]) -> AgentTool:
+        if not callable(handler) or isinstance(handler, type):
+            raise AgentConfigError(f"a tool is a function (async def or def), got {handler!r}", field="fn")
         tool_name = name or handler.__name__
         if args is not None:
             hints = get_type_hints(handler)

@@ -302,3 +302,45 @@ async def test_two_chat_windows_on_one_conversation_leave_nothing_unanswered(tmp
         assert active.runs == (), "nothing is left queued or running"
     finally:
         await handle.close()
+
+
+async def test_typing_while_the_answer_streams_stays_below_it(tmp_path: Path, tmux: Tmux) -> None:
+    """Keys typed while an answer streams land on the input line below the answer, never inside it; the
+    line sent is echoed as the user's message with the policy it got; leaving says what is still queued,
+    as the store has it."""
+    db = tmp_path / "chat.db"
+    async with create_fault_provider_server() as server:
+        server.script([hang(["Once upon", " a time", " there was"])])
+        await tmux.start(chat_command(server.base_url, db), tmp_path, clean_env())
+        await tmux.wait_prompt()
+        await tmux.type("tell me a story")
+        screen = await tmux.wait_for("Once upon a time there was")
+        assert "you › tell me a story  (policy queue)" in screen
+
+        # type without Enter while the answer is on screen: the text sits on the input line, below it
+        await tmux.tmux("send-keys", "-t", tmux.session, "-l", "and then?")
+        screen = await tmux.wait_for("you › and then?")
+        lines = [line.rstrip() for line in screen.splitlines() if line.strip()]
+        answer = next(i for i, line in enumerate(lines) if "Once upon a time there was" in line)
+        assert lines[answer].endswith("assistant ▸ Once upon a time there was")  # nothing typed inside it
+        assert lines[-1] == "you › and then?" and answer < len(lines) - 1
+
+        await tmux.key("Enter")  # sent while the answer streams: queued behind it
+        await tmux.wait_for("you › and then?  (policy queue: waits for the answer in progress)")
+
+        # leave while it still answers: the answer ends `shutdown`, the second message stays queued
+        await tmux.type("/quit")
+        screen = await tmux.wait_for("bye")
+        assert "⟨shutdown⟩" in screen
+        assert "1 message still queued: the next chat on it answers them." in " ".join(screen.split())
+        assert await tmux.exit_status() == 0
+
+    from threadline import create_sqlite_agent_runtime_store
+
+    handle = create_sqlite_agent_runtime_store(db)
+    try:
+        (head,) = (await handle.store.conversations.list(limit=10)).items
+        active = await handle.store.list_active_runs(conversation_id=head.conversation_id)
+        assert [r.state for r in active.runs] == ["queued"]
+    finally:
+        await handle.close()

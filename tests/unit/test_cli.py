@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -108,6 +109,48 @@ def test_help_lists_the_commands() -> None:
         assert command in result.output
 
 
+LOADED = """
+import sys
+from threadline.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"pydantic", "pydantic_ai", "rich", "psycopg"})))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "command",
+    [[], ["chat"], ["demo"], ["recover"], ["worker"], ["schema"], ["inspect"], ["inspect", "runs"]],
+    ids=lambda c: " ".join(c) or "threadline",
+)
+def test_help_loads_neither_pydantic_nor_rich(command: list[str]) -> None:
+    """What keeps ``--help`` fast (bench/startup.py measures it): no model library, no records, no Rich."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, *command, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "", done.stdout.splitlines()[-1]
+
+
+@pytest.mark.subprocess
+def test_inspect_into_a_pipe_loads_no_model_library_and_no_rich(tmp_path: Path) -> None:
+    db = tmp_path / "orphan.db"
+    asyncio.run(orphan_database(db))
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, "inspect", "runs", "--db", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "orphaned" in done.stdout
+    assert done.stdout.splitlines()[-1] == "pydantic"  # the records; never pydantic_ai, Rich or psycopg
+
+
 # -------------------------------------------------------------------------------- bad invocations
 
 
@@ -160,6 +203,20 @@ def test_a_missing_credential_names_the_variable_and_writes_nothing(
         line = one_error_line(result.stderr)
         assert "OPENAI_API_KEY" in line and "Traceback" not in result.stderr
         assert result.stdout == ""
+    assert not db.exists()
+
+
+def test_an_unreachable_base_url_names_the_url(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: connecting is refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+        db = tmp_path / "chat.db"
+        for command in (["chat"], ["recover"]):
+            result = invoke(*command, "--db", str(db), "--base-url", url, "--model", "llama3.2")
+            assert result.returncode == 2 and result.stdout == ""
+            assert f"cannot reach the model server at {url}" in one_error_line(result.stderr)
     assert not db.exists()
 
 
@@ -389,6 +446,170 @@ def test_inspect_json_agrees_with_the_store(demo_runs: tuple[Path, subprocess.Co
     assert empty.returncode == 0 and "(no runs)" in empty.stdout
 
 
+ISO_Z = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?Z$")
+
+
+def timestamps(value: object, key: str = "") -> list[str]:
+    """Every timestamp in a JSON document (values of keys ``at`` or ``*_at``)."""
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in timestamps(v, k)]
+    if isinstance(value, list):
+        return [t for v in value for t in timestamps(v, key)]
+    return [value] if (key == "at" or key.endswith("_at")) and value is not None else []
+
+
+def test_inspect_json_has_one_timestamp_format_and_structured_events(
+    demo_runs: tuple[Path, subprocess.CompletedProcess[str], str],
+) -> None:
+    db, _, _ = demo_runs
+    for kind in ("conversations", "runs", "messages", "events"):
+        document = json.loads(invoke("inspect", kind, "--db", str(db), "--json").stdout)
+        stamps = timestamps(document)
+        assert stamps, kind
+        assert all(isinstance(t, str) and ISO_Z.match(t) for t in stamps), (kind, stamps[:5])
+    events = json.loads(invoke("inspect", "events", "--db", str(db), "--json").stdout)
+    for event in events:  # the ledger's envelope, as stored: nothing derived, nothing left out
+        assert {"schema_version", "event_id", "conversation_id", "seq", "kind", "occurred_at"} <= set(event), event
+    terminals = [
+        e["payload"]["input"]
+        for e in events
+        if e["kind"] == "runtime/transition" and e["payload"]["type"] == "terminal"
+    ]
+    assert terminals and all(t["terminal_reason"] for t in terminals)
+    by_conversation: dict[str, list[int]] = {}
+    for event in events:
+        by_conversation.setdefault(event["conversation_id"], []).append(event["seq"])
+    assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in by_conversation.values()), by_conversation
+
+
+async def long_text_database(path: Path) -> tuple[str, str]:
+    """One conversation whose only input is a long line of text with a newline in it."""
+    async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
+        accepted = await sqlite.store.accept_input_and_assign_run(
+            conversation_id="chat-20260101-long",
+            idempotency_key="k1",
+            input={"id": "m1", "role": "user", "parts": [{"type": "text", "text": LONG_TEXT}]},
+        )
+        return accepted.run.id, accepted.run.input_message_ids[0]
+
+
+LONG_TEXT = "Plan a whole week in Lisbon, " * 12 + "please.\nAnd Porto too."
+
+
+@pytest.mark.subprocess
+def test_inspect_into_a_pipe_never_truncates_and_shows_full_ids(tmp_path: Path) -> None:
+    db = tmp_path / "long.db"
+    run_id, _ = asyncio.run(long_text_database(db))
+    env = {**os.environ, "COLUMNS": "40"}  # a narrow terminal setting must not narrow a pipe
+    for kind, expected in (
+        ("messages", LONG_TEXT.replace("\n", "\\n")),
+        ("runs", run_id),
+        ("events", run_id),
+        ("conversations", run_id),
+    ):
+        result = cli("inspect", kind, "--db", str(db), env=env)
+        assert result.returncode == 0, result.stderr
+        assert expected in result.stdout, (kind, result.stdout)
+        assert "…" not in result.stdout
+    lines = cli("inspect", "messages", "--db", str(db), env=env).stdout.splitlines()
+    assert len(lines) == 2 and lines[0].split() == ["conversation", "pos", "role", "status", "run", "text"]
+    assert lines[1].split()[:5] == ["chat-20260101-long", "—", "user", "committed", run_id]
+
+
+def in_a_terminal(*args: str, columns: int) -> str:
+    """What ``python -m threadline.cli *args`` shows when stdout is a real (pseudo-)terminal."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))  # rows, columns
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update({"TERM": "xterm-256color", "NO_COLOR": "1"})
+    with subprocess.Popen(
+        [sys.executable, "-m", "threadline.cli", *args], stdout=follower, stderr=subprocess.PIPE, env=env
+    ) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    os.close(leader)
+    return re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())  # bold headers: not text
+
+
+@pytest.mark.subprocess
+def test_inspect_in_a_terminal_fits_it_and_cuts_nothing(tmp_path: Path) -> None:
+    """stdout a real terminal: the Rich table, ids in full on a wide one; on a narrow one every cell folds
+    onto more lines (the long text too), and nothing ends in an ellipsis."""
+    db = tmp_path / "long.db"
+    run_id, _ = asyncio.run(long_text_database(db))
+    wide = in_a_terminal("inspect", "runs", "--db", str(db), columns=160)
+    assert run_id in wide and "chat-20260101-long" in wide
+    for columns in (60, 120):
+        screen = in_a_terminal("inspect", "messages", "--db", str(db), columns=columns)
+        assert "…" not in screen
+        assert max(len(line.rstrip()) for line in screen.splitlines()) <= columns
+        folded = " ".join(screen.split())
+        for word in ("Plan a whole week in Lisbon,", "please.", "And Porto too."):
+            assert word in folded, (columns, screen)
+        assert all(piece in "".join(screen.split()) for piece in (run_id[:8], run_id[-8:]))
+        if columns == 120:  # room for the ids: they stay whole, the text folds
+            assert run_id in screen
+
+
+def test_inspect_conversation_takes_a_unique_prefix(
+    demo_runs: tuple[Path, subprocess.CompletedProcess[str], str],
+) -> None:
+    db, _, _ = demo_runs
+    listed = json.loads(invoke("inspect", "conversations", "--db", str(db), "--json").stdout)
+    crash = next(c["conversation_id"] for c in listed if c["conversation_id"].endswith("-crash"))
+    by_prefix = json.loads(invoke("inspect", "runs", "--db", str(db), "-c", crash[:-2], "--json").stdout)
+    assert {r["conversation_id"] for r in by_prefix} == {crash} and len(by_prefix) == 2
+
+    ambiguous = invoke("inspect", "runs", "--db", str(db), "-c", "demo-")
+    assert ambiguous.returncode == 2 and ambiguous.stdout == ""
+    line = one_error_line(ambiguous.stderr)
+    assert "starts 14 conversation ids" in line and "give more of it" in line
+
+    missing = invoke("inspect", "runs", "--db", str(db), "-c", "nosuch")
+    assert missing.returncode == 2 and "no conversation 'nosuch'" in one_error_line(missing.stderr)
+
+
+def test_inspect_opens_sqlite_read_only(tmp_path: Path) -> None:
+    """inspect changes no byte of the database, creates no schema in an empty file, and leaves a database
+    of an earlier schema version unmigrated (an error saying so)."""
+    import hashlib
+    import shutil
+
+    db = tmp_path / "orphan.db"
+    asyncio.run(orphan_database(db))
+    digest = hashlib.sha256(db.read_bytes()).hexdigest()
+    for kind in ("conversations", "runs", "messages", "events"):
+        assert invoke("inspect", kind, "--db", str(db)).returncode == 0
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
+
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    result = invoke("inspect", "runs", "--db", str(empty))
+    assert result.returncode == 2 and "no threadline tables" in one_error_line(result.stderr)
+    assert empty.read_bytes() == b""
+
+    old = tmp_path / "v1.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "sqlite-schema-v1.db", old)
+    before = old.read_bytes()
+    result = invoke("inspect", "runs", "--db", str(old))
+    assert result.returncode == 2 and "schema version 1" in one_error_line(result.stderr)
+    assert old.read_bytes() == before
+
+
 # ------------------------------------------------------------------------------------------ recover
 
 
@@ -489,6 +710,27 @@ def test_chat_continues_its_conversation_and_takes_over_an_expired_lease(tmp_pat
     assert [(r["id"], r["terminal_reason"]) for r in runs] == [(first, "success"), (second, "success")]
 
 
+@pytest.mark.subprocess
+def test_chat_from_a_pipe_echoes_each_line_and_says_nothing_is_queued(tmp_path: Path) -> None:
+    """stdin a pipe (a script): no prompts, each line echoed with its policy, answered, and the last line
+    read back from the store after the close."""
+    done = subprocess.run(
+        [sys.executable, "-m", "threadline.cli", "chat", "--db", str(tmp_path / "c.db"), "--pace", "0"],
+        input="Plan a day in Lisbon.\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "you › Plan a day in Lisbon.  (policy queue)" in out
+    assert out.count("you ›") == 1  # the echo; no prompt into a pipe
+    assert "A day in Lisbon" in out and "⟨success⟩" in out
+    assert out.rstrip().endswith("is saved. Nothing is queued.")
+
+
 # ---------------------------------------------------------------------------------------- postgres
 
 
@@ -521,6 +763,33 @@ def test_inspect_and_recover_over_postgres(postgres_dsn: str) -> None:
         assert [r[2:4] for r in table_rows(recovered.stdout, {"pg-chat"})] == [["resumed", "success"]]
         messages = json.loads(invoke("inspect", "messages", *where, "-c", "pg-chat", "--json").stdout)
         assert "A day in Porto" in messages[-1]["parts"][0]["text"]
+    finally:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.mark.postgres
+def test_inspect_never_creates_a_postgres_schema(postgres_dsn: str) -> None:
+    import uuid
+
+    import psycopg
+
+    schema = f"cli_missing_{uuid.uuid4().hex[:8]}"
+    for command in (["inspect", "runs"], ["inspect", "conversations", "--json"], ["recover"]):
+        result = invoke(*command, "--dsn", postgres_dsn, "--schema", schema)
+        assert result.returncode == 2 and result.stdout == ""
+        line = one_error_line(result.stderr)
+        assert f"no schema '{schema}'" in line and "nothing was created" in line
+        assert "postgres@" not in line  # the connection string's user is not repeated
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone() is None
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        result = invoke("inspect", "runs", "--dsn", postgres_dsn, "--schema", schema)
+        assert result.returncode == 2 and "holds no threadline tables" in one_error_line(result.stderr)
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            tables = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = %s", (schema,)).fetchone()
+        assert tables == (0,)
     finally:
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

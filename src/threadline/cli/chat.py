@@ -1,11 +1,15 @@
 """``threadline chat``: an interactive terminal chat over the durable runtime.
 
-Lines are read by a reader thread (so the event loop keeps streaming while you type) and submitted as
-inputs; the runtime's ``--policy`` decides what a line typed while the model answers does to that answer.
+In a terminal, the input line is prompt_toolkit's and stays below the answer: complete lines of the answer
+are printed above it (through prompt_toolkit's stdout proxy, so nothing typed is ever mixed into them) and
+the line still streaming is shown just above the input line until it completes. With stdin not a terminal
+(a script piping lines in), a reader thread reads the lines. Each line sent is echoed as the user's message
+with the policy it got; ``--policy`` decides what a line typed while the model answers does to that answer.
 Ctrl-C once asks for a durable interrupt of the answer in progress (``runtime.interrupt``) and keeps the
 chat open; Ctrl-C again within two seconds, or when nothing is answering, leaves — so do Ctrl-D and
 ``/quit``. Leaving closes the runtime: an answer still streaming ends ``shutdown``, queued inputs stay
-queued and are answered by the next ``threadline chat`` on the same conversation.
+queued and are answered by the next ``threadline chat`` on the same conversation; the last line says how
+many are, as read back from the store after the close.
 
 The conversation lives in the database: without ``--conversation`` the chat continues the most recently
 active ``chat-…`` conversation of the database (or starts one), and shows its last messages on start.
@@ -19,6 +23,7 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,14 +34,34 @@ from rich.markup import escape
 from ..errors import AgentRunUnsettledError, ThreadlineError
 from ..records import Message
 from ..runtime import AgentRuntime, AgentRuntimeTicket
-from .common import CliContext, ModelChoice, OpenStore, build_runtime, check_model, choose_model, clock_tool, open_store
+from .common import (
+    CliContext,
+    ModelChoice,
+    OpenStore,
+    build_runtime,
+    check_model,
+    check_reachable,
+    choose_model,
+    clock_tool,
+    open_store,
+)
 from .render import StreamPrinter, say, text_of, usage_text
 
+CONSEQUENCE = {
+    "queue": "waits for the answer in progress",
+    "inject": "joins the answer in progress at its next step",
+    "interrupt": "ends the answer in progress, keeping what it said",
+    "interrupt-next": "ends the answer in progress and goes before anything queued",
+    "supersede": "replaces the answer in progress",
+}
+"""What a line sent while the model answers does, by input policy (echoed with the line)."""
 HISTORY = 6
 """Messages shown from the conversation's history on start."""
 DOUBLE_PRESS = 2.0
 """Seconds within which a second Ctrl-C leaves instead of interrupting."""
 PROMPT = "[bold cyan]you ›[/] "
+PROMPT_ANSI = "\x1b[1;36myou ›\x1b[0m "
+"""The same prompt for prompt_toolkit (ANSI formatted text)."""
 LEASE = 30.0
 """Seconds of the lease a chat holds on the answer it is running (renewed while it runs): a chat that was
 killed leaves a run whose lease expires, and the next chat on the conversation takes it over."""
@@ -66,11 +91,48 @@ def _history_line(message: Message) -> str:
     return f"  {who} {escape(text)}{status}"
 
 
+class TerminalLines:
+    """The file a terminal chat's Rich console writes to. Complete lines go to ``emit`` (prompt_toolkit's
+    stdout proxy: printed above the input line); the line still being written (an answer streaming) is kept
+    in ``partial`` and shown above the input line by the prompt, until its newline arrives."""
+
+    encoding = "utf-8"
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.changed: Callable[[], None] = lambda: None
+        """Called after every write: the chat redraws its prompt (set once the chat exists)."""
+        self.partial = ""
+
+    def write(self, text: str) -> int:
+        self.partial += text
+        if "\n" in self.partial:
+            done, self.partial = self.partial.rsplit("\n", 1)
+            self.emit(done + "\n")
+        self.changed()
+        return len(text)
+
+    def flush(self) -> None:
+        self.changed()
+
+    def isatty(self) -> bool:
+        return True
+
+
 class ChatSession:
-    def __init__(self, console: Console, conversation_id: str, policy: str) -> None:
+    def __init__(
+        self, console: Console, conversation_id: str, policy: str, *, base_url: str | None = None, tty: bool = False
+    ) -> None:
         self.console = console
         self.conversation_id = conversation_id
         self.policy = policy
+        self.base_url = base_url
+        self.tty = tty
+        """stdin and stdout are a terminal: prompt_toolkit reads the lines and keeps the input line below."""
+        self.prompts = tty or sys.stdin.isatty()
+        """Print a prompt before reading a line (a person types it, e.g. with stdout piped to ``tee``)."""
+        self.lines_out: TerminalLines | None = None
+        self.prompt_app: Any = None
         self.runtime: AgentRuntime | None = None
         self.printer = StreamPrinter(console, label=lambda _run_id: "[bold magenta]assistant[/]", indent="")
         self.running: str | None = None
@@ -112,6 +174,8 @@ class ChatSession:
         self.printer.note(markup)
 
     def prompt(self) -> None:
+        if self.tty or not self.prompts:  # prompt_toolkit keeps its input line on screen; a pipe needs none
+            return
         if not self.pending and not self.quit.is_set() and not self.prompted and not self.ended:
             self.printer.close_line()
             self.console.print(PROMPT, end="")
@@ -137,6 +201,39 @@ class ChatSession:
                     return
 
         threading.Thread(target=read, name="threadline-chat-stdin", daemon=True).start()
+
+    def prompt_message(self) -> Any:
+        """The prompt: the answer's line still streaming (if any), then the input line."""
+        from prompt_toolkit.formatted_text import ANSI
+
+        partial = self.lines_out.partial if self.lines_out is not None else ""
+        return ANSI(f"{partial}\n{PROMPT_ANSI}" if partial else PROMPT_ANSI)
+
+    def start_prompt(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+        """Read lines with prompt_toolkit (a terminal): Ctrl-C at the prompt is a key press, not SIGINT."""
+        from prompt_toolkit import PromptSession
+
+        session: PromptSession[str] = PromptSession(erase_when_done=True)
+        self.prompt_app = session.app
+
+        async def read() -> None:
+            while not self.quit.is_set():
+                try:
+                    line = await session.prompt_async(self.prompt_message)
+                except KeyboardInterrupt:
+                    self.on_sigint()
+                    continue
+                except EOFError:
+                    self.lines.put_nowait(None)
+                    return
+                self.lines.put_nowait(line)
+
+        return loop.create_task(read())
+
+    def redraw(self) -> None:
+        app = self.prompt_app
+        if app is not None and app.is_running:
+            app.invalidate()
 
     def on_sigint(self) -> None:
         loop = asyncio.get_running_loop()
@@ -193,7 +290,12 @@ class ChatSession:
             return
         cause = self.causes.pop(result.run.id, None)
         if cause and result.terminal_reason not in ("success", "interrupted", "superseded", "shutdown"):
-            self.note(f"  [red]cause:[/] {escape(cause)}")
+            at = (
+                f" (model server {self.base_url})"
+                if self.base_url and result.terminal_reason == "provider_failure"
+                else ""
+            )
+            self.note(f"  [red]cause:[/] {escape(cause)}{escape(at)}")
         self.note(f"[dim]  usage: {escape(usage_text(result.usage))}[/]")
 
     async def _stored_result(self, run_id: str) -> Any:
@@ -217,8 +319,9 @@ class ChatSession:
             context=CliContext(),
             parts=[{"type": "text", "text": text}],
         )
-        if busy:
-            self.note(f"[dim]  ↳ sent while the model answers — policy {self.policy}[/]")
+        # echoed as the user's message (prompt_toolkit erased the typed line; a pipe never showed it)
+        what = f"policy {self.policy}: {CONSEQUENCE.get(self.policy, 'applied')}" if busy else f"policy {self.policy}"
+        self.note(f"[bold cyan]you ›[/] {escape(text)}  [dim]({what})[/]")
         self.follow(ticket)
 
     async def resume_pending(self, opened: OpenStore) -> None:
@@ -275,11 +378,13 @@ class ChatSession:
                 return
             line = get.result()
             self.prompted = False
-            self.printer.open_run = None  # the Enter key ended the line on screen
+            if not self.tty:
+                self.printer.open_run = None  # the Enter key ended the line on screen
             if line is None:  # end of input: let the answers in progress finish (Ctrl-C leaves at once)
                 self.ended = True
                 if self.pending:
-                    self.note("[dim](end of input: waiting for the answers in progress)[/]")
+                    if self.printer.open_run is None:  # never cut an answer's line in two for this remark
+                        self.note("[dim](end of input: waiting for the answers in progress)[/]")
                     waiter = asyncio.ensure_future(asyncio.wait(set(self.pending)))
                     stop = asyncio.ensure_future(self.quit.wait())
                     await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,7 +400,30 @@ class ChatSession:
             self.send(text)
 
 
-async def _chat(
+async def _chat(choice: ModelChoice, *, tty: bool, **options: Any) -> int:
+    """The chat. In a terminal (``tty``) everything prints through prompt_toolkit's stdout proxy, so the
+    input line stays below the answer and what a person types is never mixed into it."""
+    if not tty:
+        return await _chat_on(Console(highlight=False), choice, **options)
+    from prompt_toolkit.patch_stdout import StdoutProxy
+
+    real_stdout, real_stderr = sys.stdout, sys.stderr
+    proxy = StdoutProxy(sleep_between_writes=0.02, raw=True)
+    lines = TerminalLines(proxy.write)
+    # the width is read from the terminal (stdin/stdout) at each print: a resized window is followed
+    console = Console(file=lines, force_terminal=True, highlight=False)  # type: ignore[arg-type]
+    sys.stdout = sys.stderr = proxy  # type: ignore[assignment]  # stray prints (warnings) go above the prompt too
+    try:
+        return await _chat_on(console, choice, lines=lines, **options)
+    finally:
+        if lines.partial:
+            proxy.write(lines.partial + "\n")
+            lines.partial = ""
+        proxy.close()  # writes what it still holds
+        sys.stdout, sys.stderr = real_stdout, real_stderr
+
+
+async def _chat_on(
     console: Console,
     choice: ModelChoice,
     *,
@@ -304,8 +432,12 @@ async def _chat(
     schema: str | None,
     conversation: str | None,
     policy: str,
+    base_url: str | None,
+    lines: TerminalLines | None = None,
     coding_root: Path | None = None,
 ) -> int:
+    """The chat on ``console``; with ``lines`` (a terminal) prompt_toolkit reads the input."""
+    tty = lines is not None
     loop = asyncio.get_running_loop()
     tools = [clock_tool()]
     if coding_root is not None:
@@ -318,7 +450,10 @@ async def _chat(
         new = conversation_id is None
         if conversation_id is None:
             conversation_id = f"{CHAT_PREFIX}{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
-        session = ChatSession(console, conversation_id, policy)
+        session = ChatSession(console, conversation_id, policy, base_url=base_url, tty=tty)
+        session.lines_out = lines
+        if lines is not None:
+            lines.changed = session.redraw
         runtime = build_runtime(
             opened.store,
             choice.model,
@@ -347,26 +482,53 @@ async def _chat(
                     say(console, _history_line(message))
                 console.rule(style="dim")
         loop.add_signal_handler(signal.SIGINT, session.on_sigint)
+        reader: asyncio.Task[None] | None = None
         try:
-            session.start_reader(loop)
+            if not tty:
+                session.start_reader(loop)
             await session.resume_pending(opened)
+            if tty:  # the input line appears once the start-up notes are on screen: the chat is ready
+                reader = session.start_prompt(loop)
             await session.run()
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGINT)
             session.quit.set()
-            queued = len(session.pending)
+            if reader is not None:
+                if session.prompt_app is not None and session.prompt_app.is_running:
+                    session.prompt_app.exit(exception=EOFError)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(reader, 5)
             closed = await runtime.close(grace_period=0, force_timeout=10)
             for task in list(session.pending):
                 task.cancel()
             if session.prompted:
                 console.print()
             session.printer.close_line()
-            left = f" {queued} unanswered message(s) stay queued for the next chat." if queued else ""
+            left = await _left_behind(opened, conversation_id, stopped=not closed.timed_out)
             if closed.timed_out:
                 left += f" {closed.remaining} run(s) did not stop in time: `threadline recover` settles them."
             say(console, f"[dim]bye — conversation {escape(conversation_id)} is saved.{left}[/]")
     return 0
+
+
+async def _left_behind(opened: OpenStore, conversation_id: str, *, stopped: bool) -> str:
+    """What is still queued (or running elsewhere) on the conversation after the close, read from the store.
+    ``stopped``: every run of this chat stopped in time, so a run still running is another process's."""
+    try:
+        active = await opened.store.list_active_runs(conversation_id=conversation_id)
+    except ThreadlineError as error:
+        return f" (could not read what is still queued: {' '.join(str(error).split())})"
+    queued = sum(1 for r in active.runs if r.state == "queued")
+    other = len(active.runs) - queued
+    if not active.runs:
+        return " Nothing is queued."
+    parts = []
+    if queued:
+        parts.append(f"{queued} message{'s' if queued != 1 else ''} still queued: the next chat on it answers them")
+    if other and stopped:
+        parts.append(f"{other} run{'s' if other != 1 else ''} still running in another process")
+    return " " + "; ".join(parts) + "." if parts else ""
 
 
 def run_chat(
@@ -383,16 +545,8 @@ def run_chat(
 ) -> int:
     choice = choose_model(model, base_url, pace=pace)
     check_model(choice, model or "scripted")
-    console = Console(highlight=False)
-    return asyncio.run(
-        _chat(
-            console,
-            choice,
-            db=db,
-            dsn=dsn,
-            schema=schema,
-            conversation=conversation,
-            policy=policy,
-            coding_root=coding_root,
-        )
-    )
+    if base_url is not None:
+        check_reachable(base_url)
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    options = {"db": db, "dsn": dsn, "schema": schema, "conversation": conversation, "policy": policy}
+    return asyncio.run(_chat(choice, tty=tty, base_url=base_url, coding_root=coding_root, **options))

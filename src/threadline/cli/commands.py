@@ -1,5 +1,5 @@
 """The Typer application behind ``threadline``: ``demo``, ``chat``, ``inspect``, ``recover``, ``worker``,
-``schema``, and the ledger's ``export``, ``import`` and ``branch`` (:mod:`threadline.cli.ledger`).
+``serve``, ``schema``, and the ledger's ``export``, ``import`` and ``branch`` (:mod:`threadline.cli.ledger`).
 
 Every command body runs inside :func:`_reported`: a :class:`~threadline.errors.ThreadlineError` (an
 unreadable database, a missing credential, an unknown policy…) becomes one line ``error: <message>`` on
@@ -8,9 +8,7 @@ stderr and exit status 2, never a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -27,7 +25,20 @@ EXIT_ERROR = 2
 """Exit status for a failure threadline reports (an unreadable database, a missing credential…)."""
 EXIT_INTERRUPTED = 130
 
+class _Group(typer.core.TyperGroup):
+    """A command group whose ``--help`` flag defaults to ``False`` instead of ``None``: Typer (0.2x) builds a
+    pydantic adapter to coerce a ``None`` flag, which costs every subcommand's start-up (and ``--help``)
+    about a hundred milliseconds of importing pydantic before anything runs; a ``bool`` passes through."""
+
+    def get_help_option(self, ctx: typer.Context) -> typer.core.TyperOption | None:  # type: ignore[override]
+        option = super().get_help_option(ctx)
+        if option is not None and option.default is None:
+            option.default = False
+        return option
+
+
 app = typer.Typer(
+    cls=_Group,
     name="threadline",
     help="Durable tool-using language-model conversations on SQLite or PostgreSQL.",
     no_args_is_help=True,
@@ -36,6 +47,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 inspect_app = typer.Typer(
+    cls=_Group,
     name="inspect",
     help="Read a threadline database: conversations, runs, messages, events. Tables, or --json for scripts.",
     no_args_is_help=True,
@@ -127,6 +139,8 @@ def schema(
 ) -> None:
     """Print the JSON Schema (draft 2020-12) of every canonical record, keyed by record name."""
     with _reported():
+        import json
+
         from ..records import export_json_schemas
 
         schemas = export_json_schemas()
@@ -157,6 +171,8 @@ def demo(
     """Watch the runtime offline: streaming with tools, the five input policies side by side, a crash
     and its recovery, and every run's terminal reason and usage. Uses a built-in scripted model."""
     with _reported():
+        import asyncio
+
         from rich.console import Console
 
         from .demo import DemoCheckFailed, run_demo
@@ -175,6 +191,8 @@ def demo_child(
 ) -> None:
     """The demo's crash scene runs this in a child process and kills it with SIGKILL mid-answer."""
     with _reported():
+        import asyncio
+
         from .demo import run_demo_child
 
         asyncio.run(run_demo_child(db, conversation, pace=pace))
@@ -326,6 +344,8 @@ def worker(
 ) -> None:
     """Execute whatever is queued (runs admitted by any process) until SIGTERM, then close gracefully."""
     with _reported():
+        import asyncio
+
         from .worker import run_worker
 
         status = asyncio.run(
@@ -341,6 +361,71 @@ def worker(
                 force=force,
                 replay_safe=takeover_expired,
                 gc_tuning=gc_tuning,
+            )
+        )
+        raise typer.Exit(status)
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+@app.command()
+def serve(
+    db: DbOption = None,
+    dsn: DsnOption = None,
+    schema_name: SchemaOption = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).", min=0, max=65535)] = 8000,
+    model: ModelOption = None,
+    base_url: BaseUrlOption = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Serve the built-in scripted model (offline) and print what to try.")
+    ] = False,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="THREADLINE_TOKEN", help="Require this bearer token (env THREADLINE_TOKEN)."),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None, typer.Option("--cors-origin", help="A browser origin allowed to call (repeatable).")
+    ] = None,
+    stdio: Annotated[
+        bool, typer.Option("--stdio", help="Speak the JSON-lines structured runner on stdin/stdout instead of HTTP.")
+    ] = False,
+    events: Annotated[bool, typer.Option("--events", help="With --stdio: also write every delivery event.")] = False,
+    root: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--root",
+            help="A file-resource root ID:KIND:/absolute/path, KIND instruction, skill or resource (repeatable; "
+            "needs threadline[harness]). Instructions enter the prompt; skills and resources are read on demand.",
+        ),
+    ] = None,
+    grace: Annotated[float, typer.Option("--grace", help="On stop: seconds runs may finish on their own.")] = 10.0,
+    force: Annotated[float, typer.Option("--force", help="Then: seconds to wait for aborted runs to settle.")] = 5.0,
+) -> None:
+    """Serve conversations over HTTP: the control protocol on a WebSocket, Server-Sent Events per
+    conversation, the Vercel AI SDK chat stream and a REST surface (needs threadline[server]); or, with
+    --stdio, as a JSON-lines runner for a supervisor. --demo answers with the built-in scripted model."""
+    with _reported():
+        from .serve import run_serve
+
+        status = asyncio.run(
+            run_serve(
+                db=db,
+                dsn=dsn,
+                schema=schema_name,
+                host=host,
+                port=port,
+                model=model,
+                base_url=base_url,
+                demo=demo,
+                token=token,
+                cors_origins=cors_origin or [],
+                stdio=stdio,
+                events=events,
+                grace=grace,
+                force=force,
+                roots=root or [],
             )
         )
         raise typer.Exit(status)

@@ -55,20 +55,29 @@ class OpenStore:
 
 @asynccontextmanager
 async def open_store(
-    db: Path | None, dsn: str | None, *, create: bool = True, schema: str | None = None
+    db: Path | None,
+    dsn: str | None,
+    *,
+    create: bool = True,
+    schema: str | None = None,
+    read_only: bool = False,
 ) -> AsyncIterator[OpenStore]:
     """Open the SQLite file ``db`` (default ``./threadline.db``) or the PostgreSQL database ``dsn`` (its
-    ``schema``, default ``threadline``). With ``create=False`` a missing SQLite file is an error instead of
-    a new database."""
+    ``schema``, default ``threadline``). With ``create=False`` a missing SQLite file, or a PostgreSQL schema
+    without threadline's tables, is an error instead of a new database (nothing is created). With
+    ``read_only=True`` (``inspect``) a SQLite file is opened with SQLite's ``mode=ro``, and a PostgreSQL
+    layout that would need migrating is an error instead of being migrated."""
     if db is not None and dsn is not None:
         raise CliUsageError("pass --db or --dsn, not both")
     if schema is not None and dsn is None:
         raise CliUsageError("--schema is for PostgreSQL (--dsn)")
     if dsn is not None:
         try:
-            from ..store.postgres import create_postgres_agent_runtime_store
+            from ..store.postgres import DEFAULT_SCHEMA, create_postgres_agent_runtime_store
         except ImportError:
             raise CliUsageError("PostgreSQL support needs psycopg: pip install 'threadline[postgres]'") from None
+        if not create:
+            await require_postgres_layout(dsn, schema or DEFAULT_SCHEMA, read_only=read_only)
         options = {"schema": schema} if schema is not None else {}
         async with create_postgres_agent_runtime_store(dsn=dsn, **options) as pg:
             yield OpenStore(pg.store, pg.conversations, f"PostgreSQL {pg.driver.where} schema {pg.schema}")
@@ -78,8 +87,64 @@ async def open_store(
     path = (db or DEFAULT_DB).expanduser()
     if not create and not path.exists():
         raise AgentStoreUnavailableError(f"no database at {path}")
-    async with create_sqlite_agent_runtime_store(filename=path) as sqlite:
+    async with create_sqlite_agent_runtime_store(filename=path, read_only=read_only) as sqlite:
         yield OpenStore(sqlite.store, sqlite.conversations, str(path.resolve()))
+
+
+def postgres_where(dsn: str) -> str:
+    """``host:port/dbname`` of a connection string: never its user or password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(dsn)
+    except Exception:  # psycopg.ProgrammingError: the store factory reports it, naming the field
+        return "PostgreSQL"
+    host = info.get("host") or info.get("hostaddr") or "localhost"
+    return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
+
+
+async def require_postgres_layout(dsn: str, schema: str, *, read_only: bool) -> None:
+    """Refuse a schema that does not exist or holds no threadline tables (opening the store would create
+    them); with ``read_only``, also a layout that opening would migrate. Reads the catalog only."""
+    import psycopg
+
+    from ..store.postgres import POSTGRES_SCHEMA_VERSION, validate_schema
+
+    validate_schema(schema)
+    where = postgres_where(dsn)
+    try:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.Error as error:
+        raise AgentStoreUnavailableError(
+            f"PostgreSQL at {where}: cannot connect ({first_sentence(str(error))})"
+        ) from None
+    try:
+        found = await conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        if await found.fetchone() is None:
+            raise AgentStoreUnavailableError(
+                f"no schema {schema!r} in PostgreSQL {where} (nothing was created); --schema names an existing one"
+            )
+        meta = await conn.execute("SELECT to_regclass(format('%%I.threadline_meta', %s::text))", (schema,))
+        row = await meta.fetchone()
+        if row is None or row[0] is None:
+            raise AgentStoreUnavailableError(
+                f"schema {schema!r} in PostgreSQL {where} holds no threadline tables (nothing was created)"
+            )
+        if read_only:
+            from psycopg import sql
+
+            query = sql.SQL("SELECT value FROM {}.threadline_meta WHERE key = 'schema_version'").format(
+                sql.Identifier(schema)
+            )
+            version = await (await conn.execute(query)).fetchone()
+            if version is None or str(version[0]) != str(POSTGRES_SCHEMA_VERSION):
+                raise AgentStoreUnavailableError(
+                    f"schema {schema!r} in PostgreSQL {where} holds threadline layout version "
+                    f"{version[0] if version else '?'}, not {POSTGRES_SCHEMA_VERSION}; inspect only reads, so it "
+                    "does not migrate it (any command that writes, e.g. threadline recover, does)"
+                )
+    finally:
+        await conn.close()
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -113,6 +178,28 @@ def choose_model(name: str | None, base_url: str | None, *, pace: float = 0.0) -
 
     scripted = ScriptedModel(pace=pace)
     return ModelChoice(scripted.model, "threadline's built-in scripted model (offline)", scripted)
+
+
+def check_reachable(base_url: str, timeout: float = 5.0) -> None:
+    """Refuse an OpenAI-compatible server that does not accept a connection, naming its URL (before
+    anything is written). Only connects: the server's answers are the model's business."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from ..models import AgentModelUnavailableError
+
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as error:
+        raise CliUsageError(f"--base-url {base_url!r} is not a URL: {error}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise CliUsageError(f"--base-url {base_url!r} is not an http:// or https:// URL")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise AgentModelUnavailableError(f"cannot reach the model server at {base_url}: {reason}") from None
 
 
 def first_sentence(message: str) -> str:

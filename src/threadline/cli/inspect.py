@@ -1,31 +1,41 @@
-"""``threadline inspect conversations | runs | messages | events``: read a database, print tables or JSON.
+"""``threadline inspect conversations | runs | messages | events``: read a database, print a table or JSON.
 
-Reads only (through the store's paged readers and per-conversation loads); never writes. The ``events``
-command reads the event ledger (:mod:`threadline.cli.ledger`); the ``events`` view here, a timeline derived
-from the run rows, is what it showed before the ledger existed.
+Reads only: a SQLite file is opened read-only (SQLite's ``mode=ro``: nothing is created, migrated or
+written), and a PostgreSQL schema that does not exist is an error, never created. Reads go through the
+store's paged readers and per-conversation loads.
+
+Three outputs: ``--json`` (one document; records as their JSON form, every timestamp UTC ``...Z``, events
+as structured fields); a Rich table when stdout is a terminal (fitted to its width: a cell too narrow
+folds onto more lines, never cut off); and, when stdout is not a terminal (a pipe, a file), plain aligned
+columns that are never truncated or wrapped, one row per line (a newline inside a message is written
+``\\n``), without loading Rich.
+Ids are always shown in full; ``--conversation`` also takes any unique prefix of one.
+
+The ``events`` command reads the event ledger (:mod:`threadline.cli.ledger`) with the same rules.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import typing
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from ..records import ConversationHead, Message, MessageStatus, Run, RunState
 from .common import CliUsageError, OpenStore, open_store
-from .render import reason_markup, short, text_of
 
 RUN_STATES = typing.get_args(RunState)
 MESSAGE_STATUSES = typing.get_args(MessageStatus)
 PAGE = 500
+TEXT_MIN = 20
+"""Columns a terminal table keeps for free text before it folds ids too."""
+AMBIGUOUS_SHOWN = 5
+"""Candidates named when a ``--conversation`` prefix matches more than one conversation."""
 
 
 def _check_state(kind: str, state: str | None) -> None:
@@ -37,18 +47,48 @@ def _check_state(kind: str, state: str | None) -> None:
         raise CliUsageError(f"unknown {what} {state!r}; choose one of: {', '.join(allowed)}")
 
 
-async def _heads(opened: OpenStore, conversation: str | None) -> list[ConversationHead]:
+def utc_z(value: datetime | None) -> str | None:
+    """The one timestamp format of ``--json``: ISO 8601 in UTC with ``Z`` (as the records serialize)."""
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _when(value: datetime | None) -> str:
+    """A table's timestamp: UTC, to the second, with ``Z`` (a table is compared with ``--json``)."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value is not None else "—"
+
+
+# ------------------------------------------------------------------------------------------ collect
+
+
+async def _all_heads(opened: OpenStore) -> list[ConversationHead]:
     heads: list[ConversationHead] = []
     cursor = None
     while True:
         page = await opened.conversations.list(limit=PAGE, cursor=cursor)
-        heads.extend(h for h in page.items if conversation is None or h.conversation_id == conversation)
+        heads.extend(page.items)
         if page.next_cursor is None:
-            break
+            return heads
         cursor = page.next_cursor
-    if conversation is not None and not heads:
-        raise CliUsageError(f"no conversation {conversation!r} in {opened.where}")
-    return heads
+
+
+async def find_conversations(opened: OpenStore, conversation: str | None) -> list[ConversationHead]:
+    """Every conversation, or the one ``conversation`` names: its exact id, else the only id it prefixes."""
+    heads = await _all_heads(opened)
+    if conversation is None:
+        return heads
+    exact = [h for h in heads if h.conversation_id == conversation]
+    if exact:
+        return exact
+    matches = [h for h in heads if h.conversation_id.startswith(conversation)]
+    if len(matches) == 1:
+        return matches
+    if not matches:
+        raise CliUsageError(f"no conversation {conversation!r} (nor one starting with it) in {opened.where}")
+    shown = ", ".join(h.conversation_id for h in matches[:AMBIGUOUS_SHOWN])
+    more = f" and {len(matches) - AMBIGUOUS_SHOWN} more" if len(matches) > AMBIGUOUS_SHOWN else ""
+    raise CliUsageError(f"{conversation!r} starts {len(matches)} conversation ids ({shown}{more}); give more of it")
 
 
 async def _runs(opened: OpenStore, head: ConversationHead) -> list[Run]:
@@ -56,20 +96,9 @@ async def _runs(opened: OpenStore, head: ConversationHead) -> list[Run]:
     return sorted(snapshot.runs, key=lambda r: r.admission_sequence)
 
 
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
-def _when(value: datetime | None) -> str:
-    return value.astimezone().strftime("%m-%d %H:%M:%S") if value is not None else "—"
-
-
-# ------------------------------------------------------------------------------------------ collect
-
-
 async def _conversations(opened: OpenStore, state: str | None, limit: int) -> list[dict[str, Any]]:
     rows = []
-    for head in await _heads(opened, None):
+    for head in await find_conversations(opened, None):
         if state is not None:
             runs = await _runs(opened, head)
             if not any(r.state == state for r in runs):
@@ -82,8 +111,8 @@ async def _conversations(opened: OpenStore, state: str | None, limit: int) -> li
                 "runs": head.admission_seq,
                 "messages": head.message_seq,
                 "active_runs": [{"run_id": r.id, "state": r.state} for r in active.runs],
-                "created_at": _iso(head.created_at),
-                "updated_at": _iso(head.updated_at),
+                "created_at": head.created_at,
+                "updated_at": head.updated_at,
             }
         )
         if len(rows) >= limit:
@@ -93,7 +122,7 @@ async def _conversations(opened: OpenStore, state: str | None, limit: int) -> li
 
 async def _all_runs(opened: OpenStore, conversation: str | None, state: str | None, limit: int) -> list[Run]:
     out: list[Run] = []
-    for head in await _heads(opened, conversation):
+    for head in await find_conversations(opened, conversation):
         out.extend(r for r in await _runs(opened, head) if state is None or r.state == state)
         if len(out) >= limit:
             return out[:limit]
@@ -102,7 +131,7 @@ async def _all_runs(opened: OpenStore, conversation: str | None, state: str | No
 
 async def _messages(opened: OpenStore, conversation: str | None, state: str | None, limit: int) -> list[Message]:
     out: list[Message] = []
-    for head in await _heads(opened, conversation):
+    for head in await find_conversations(opened, conversation):
         picked: list[Message] = []
         cursor = None
         while len(picked) < limit:  # newest first, page by page, until `limit` match
@@ -117,122 +146,115 @@ async def _messages(opened: OpenStore, conversation: str | None, state: str | No
     return out
 
 
-def _run_events(run: Run) -> list[dict[str, Any]]:
-    base = {"conversation_id": run.conversation_id, "run_id": run.id}
-    inputs = len(run.input_message_ids)
-    events = [
-        {
-            **base,
-            "at": run.created_at,
-            "event": "admitted",
-            "detail": f"{run.input_policy}, {run.priority}, {inputs} input{'s' if inputs != 1 else ''}",
-        }
-    ]
-    if run.acquired_at is not None:
-        events.append(
-            {**base, "at": run.acquired_at, "event": "acquired", "detail": f"by {run.owner_id} #{run.fencing_token}"}
-        )
-    op = run.last_operation
-    if op is not None:
-        at = op.finished_at or op.first_output_at or op.started_at
-        where = [f"step {op.step}" if op.step is not None else "", f"attempt {op.attempt}" if op.attempt else ""]
-        detail = " · ".join(x for x in [*where, op.detail or ""] if x)
-        events.append({**base, "at": at, "event": f"{op.kind} {op.phase}", "detail": f"{detail} (last recorded)"})
-    if run.state == "interrupt_requested":
-        events.append({**base, "at": run.updated_at, "event": "interrupt requested", "detail": "durable"})
-    if run.terminal_at is not None:
-        detail = run.terminal_reason or ""
-        if run.policy_name:
-            detail += f" ({run.policy_name})"
-        if run.absorbed_into_run_id:
-            detail += f" into {run.absorbed_into_run_id}"
-        if run.absorbed_run_ids:
-            detail += f", absorbed {', '.join(run.absorbed_run_ids)}"
-        events.append({**base, "at": run.terminal_at, "event": f"terminal {run.state}", "detail": detail})
-    return events
+# ------------------------------------------------------------------------------------------- tables
 
 
-async def _events(opened: OpenStore, conversation: str | None, state: str | None, limit: int) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for run in await _all_runs(opened, conversation, state, 10**9):
-        events.extend(_run_events(run))
-    events.sort(key=lambda e: e["at"])
-    return events[-limit:]
+@dataclass
+class Column:
+    """One table column: its header, how a row fills it, and whether it is free text (folds on a terminal)."""
+
+    header: str
+    cell: Callable[[Any], str]
+    text: bool = False
 
 
-# -------------------------------------------------------------------------------------------- print
+def _message_text(m: Message) -> str:
+    text = " ".join(p.text for p in m.parts if p.type == "text")
+    return text or ", ".join(p.type for p in m.parts) or "—"
 
 
-def _table(*columns: str, wide: tuple[str, ...] = ()) -> Table:
-    """Ids and times never wrap (they are copied and compared); the ``wide`` text columns fold."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in columns:
-        if column in wide:
-            table.add_column(column, overflow="fold", ratio=1)
-        else:
-            table.add_column(column, no_wrap=True)
-    return table
+def _reason(run: Run) -> str:
+    reason = run.terminal_reason or "—"
+    return f"{reason} ({run.policy_name})" if run.policy_name else reason
 
 
-def _print(console: Console, kind: str, rows: list[Any], conversation: str | None) -> None:
-    if not rows:
-        console.print(f"(no {kind})")
-        return
-    cid = [] if conversation else ["conversation"]
-
-    def row(conversation_id: str, *cells: str) -> list[str]:
-        return ([] if conversation else [escape(conversation_id)]) + list(cells)
-
+def columns(kind: str, one_conversation: bool) -> list[Column]:
+    """The table of ``kind``; the conversation column is left out when one conversation was asked for."""
+    conversation = [] if one_conversation else [Column("conversation", lambda r: _get(r, "conversation_id"))]
     if kind == "conversations":
-        table = _table("conversation", "version", "runs", "messages", "updated", "active runs", wide=("active runs",))
-        for r in rows:
-            active = ", ".join(f"{short(a['run_id'])} {a['state']}" for a in r["active_runs"]) or "—"
-            updated = _when(datetime.fromisoformat(r["updated_at"]))
-            table.add_row(
-                escape(r["conversation_id"]), str(r["version"]), str(r["runs"]), str(r["messages"]), updated, active
-            )
-    elif kind == "runs":
-        table = _table(*cid, "run", "state", "terminal reason", "policy", "inputs", "owner", wide=("owner",))
-        for run in rows:
-            table.add_row(
-                *row(
-                    run.conversation_id,
-                    short(run.id),
-                    run.state,
-                    reason_markup(run.terminal_reason) + (f" ({escape(run.policy_name)})" if run.policy_name else ""),
-                    f"{run.input_policy} {run.priority}" if run.priority != "ordinary" else run.input_policy,
-                    str(len(run.input_message_ids)),
-                    escape(f"{run.owner_id} #{run.fencing_token}") if run.owner_id else "—",
-                )
-            )
-    elif kind == "messages":
-        table = _table(*cid, "pos", "role", "status", "run", "text", wide=("text",))
-        for m in rows:
-            text = text_of(m) or ", ".join(p.type for p in m.parts) or "—"
-            table.add_row(
-                *row(
-                    m.conversation_id,
-                    str(m.position) if m.position is not None else "—",
-                    m.role,
-                    m.status,
-                    short(m.run_id) if m.run_id else "—",
-                    escape(text),
-                )
-            )
-    else:
-        table = _table("at", *cid, "run", "event", "detail", wide=("detail",))
-        for e in rows:
-            cells = row(e["conversation_id"], short(e["run_id"]), e["event"], escape(e["detail"]))
-            table.add_row(_when(e["at"]), *cells)
+        return [
+            Column("conversation", lambda r: r["conversation_id"]),
+            Column("version", lambda r: str(r["version"])),
+            Column("runs", lambda r: str(r["runs"])),
+            Column("messages", lambda r: str(r["messages"])),
+            Column("updated", lambda r: _when(r["updated_at"])),
+            Column("active runs", lambda r: ", ".join(f"{a['run_id']} {a['state']}" for a in r["active_runs"]) or "—"),
+        ]
+    if kind == "runs":
+        return [
+            *conversation,
+            Column("run", lambda r: r.id),
+            Column("state", lambda r: r.state),
+            Column("terminal reason", _reason),
+            Column(
+                "policy", lambda r: r.input_policy if r.priority == "ordinary" else f"{r.input_policy} {r.priority}"
+            ),
+            Column("inputs", lambda r: str(len(r.input_message_ids))),
+            Column("owner", lambda r: f"{r.owner_id} #{r.fencing_token}" if r.owner_id else "—"),
+            Column("failure", lambda r: f"{r.failure.origin}: {r.failure.summary}" if r.failure else "—", text=True),
+        ]
+    return [
+        *conversation,
+        Column("pos", lambda m: str(m.position) if m.position is not None else "—"),
+        Column("role", lambda m: m.role),
+        Column("status", lambda m: m.status),
+        Column("run", lambda m: m.run_id or "—"),
+        Column("text", _message_text, text=True),
+    ]
+
+
+def _get(row: Any, name: str) -> str:
+    return row[name] if isinstance(row, dict) else getattr(row, name)
+
+
+def plain_table(cols: list[Column], rows: list[Any]) -> str:
+    """Aligned columns, every value in full: what a pipe or a file gets (``grep``, ``less -S``, ``cut``)."""
+    grid = [[c.header for c in cols]]
+    grid += [[c.cell(row).replace("\r", "\\r").replace("\n", "\\n") for c in cols] for row in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(cols))]
+    lines = []
+    for line in grid:
+        cells = [value.ljust(width) for value, width in zip(line, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def rich_table(cols: list[Column], rows: list[Any]) -> None:
+    """A table fitted to the terminal. Nothing is cut off: free text takes the spare width and folds, and a
+    terminal too narrow for the ids folds them too (never an ellipsis)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from .render import REASON_STYLE
+
+    console = Console(highlight=False)
+    grid = [[c.cell(row) for c in cols] for row in rows]
+    # ids and times keep their full width while the free text still gets TEXT_MIN columns; narrower, they fold
+    widths = [max(len(c.header), *(len(line[i]) for line in grid)) for i, c in enumerate(cols)]
+    fixed = sum(w for w, c in zip(widths, cols, strict=True) if not c.text) + 3 * len(cols)
+    keep = fixed + TEXT_MIN <= console.width
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for c, width in zip(cols, widths, strict=True):
+        if c.text:
+            table.add_column(c.header, overflow="fold", ratio=1)
+        else:
+            table.add_column(c.header, overflow="fold", min_width=width if keep else None)
+    for line in grid:
+        cells = []
+        for c, value in zip(cols, line, strict=True):
+            style = REASON_STYLE.get(value.split(" ", 1)[0], "red") if c.header == "terminal reason" else ""
+            cells.append(Text(value, style=style if value != "—" else ""))
+        table.add_row(*cells)
     console.print(table)
 
 
 def _jsonable(kind: str, rows: list[Any]) -> list[Any]:
     if kind in ("runs", "messages"):
         return [r.model_dump(mode="json") for r in rows]
-    if kind == "events":
-        return [{**e, "at": _iso(e["at"])} for e in rows]
-    return rows
+    stamped = ("at", "created_at", "updated_at")
+    return [{k: utc_z(v) if k in stamped else v for k, v in row.items()} for row in rows]
 
 
 async def _collect(
@@ -243,15 +265,14 @@ async def _collect(
     conversation: str | None,
     state: str | None,
     limit: int,
-) -> list[Any]:
-    async with open_store(db, dsn, create=False, schema=schema) as opened:
+) -> tuple[list[Any], bool]:
+    async with open_store(db, dsn, create=False, schema=schema, read_only=True) as opened:
         if kind == "conversations":
-            return await _conversations(opened, state, limit)
+            return await _conversations(opened, state, limit), False
+        one = conversation is not None
         if kind == "runs":
-            return await _all_runs(opened, conversation, state, limit)
-        if kind == "messages":
-            return await _messages(opened, conversation, state, limit)
-        return await _events(opened, conversation, state, limit)
+            return await _all_runs(opened, conversation, state, limit), one
+        return await _messages(opened, conversation, state, limit), one
 
 
 def inspect_command(
@@ -266,8 +287,16 @@ def inspect_command(
     limit: int,
 ) -> None:
     _check_state(kind, state)
-    rows = asyncio.run(_collect(kind, db, dsn, schema, conversation, state, limit))
+    rows, one_conversation = asyncio.run(_collect(kind, db, dsn, schema, conversation, state, limit))
+    out = sys.stdout
     if as_json:
-        print(json.dumps(_jsonable(kind, rows), indent=2, ensure_ascii=False))
+        out.write(json.dumps(_jsonable(kind, rows), indent=2, ensure_ascii=False) + "\n")
         return
-    _print(Console(highlight=False), kind, rows, conversation)
+    if not rows:
+        out.write(f"(no {kind})\n")
+        return
+    cols = columns(kind, one_conversation)
+    if out.isatty():
+        rich_table(cols, rows)
+    else:
+        out.write(plain_table(cols, rows) + "\n")

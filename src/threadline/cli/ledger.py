@@ -15,14 +15,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from ..ledger.events import AgentStoreEvent
 from .common import CliUsageError, open_store
-from .render import short
+from .inspect import Column, find_conversations, plain_table, rich_table, utc_z
 
 FOLLOW_POLL = 0.5
 """Seconds between two reads of a followed journal's tail."""
@@ -36,13 +31,13 @@ def _summary(event: AgentStoreEvent) -> str:
         command = p.get("input", {})
         run = command.get("run_id")
         detail = {
-            "accept": lambda: f"input {command.get('input', {}).get('id')} -> run {short(run or '')}",
-            "terminal": lambda: f"run {short(run or '')} {command.get('terminal_reason')}",
-            "checkpoint": lambda: f"run {short(run or '')} draft {command.get('assistant', {}).get('parts')} parts",
-            "recover": lambda: f"run {short(run or '')} {command.get('action')}",
+            "accept": lambda: f"input {command.get('input', {}).get('id')} -> run {run or ''}",
+            "terminal": lambda: f"run {run or ''} {command.get('terminal_reason')}",
+            "checkpoint": lambda: f"run {run or ''} draft {command.get('assistant', {}).get('parts')} parts",
+            "recover": lambda: f"run {run or ''} {command.get('action')}",
             "compact": lambda: f"{len(command.get('replaced_message_ids', []))} messages -> summary",
             "seed": lambda: f"seed {command.get('seed_key')}",
-        }.get(p.get("type"), lambda: f"run {short(run)}" if run else "")()
+        }.get(p.get("type"), lambda: f"run {run}" if run else "")()
         operation = command.get("operation")
         if operation:
             detail += f" · {operation.get('kind')} {operation.get('phase')} step {operation.get('step')}"
@@ -50,18 +45,18 @@ def _summary(event: AgentStoreEvent) -> str:
     if kind == "provider/request":
         prefix = p.get("prefix", {})
         return (
-            f"run {short(p.get('run_id', ''))} step {p.get('step_number')} attempt {p.get('attempt')}: "
+            f"run {p.get('run_id', '')} step {p.get('step_number')} attempt {p.get('attempt')}: "
             f"prefix {prefix.get('count')} messages (+{len(prefix.get('added', []))}), "
             f"tail {len(p.get('message_shas', []))}"
         )
     if kind == "provider/message":
-        return f"body {str(p.get('sha256', ''))[:12]}"
+        return f"body {p.get('sha256', '')}"
     if kind == "provider/response":
         response = p.get("response", {})
-        return f"run {short(p.get('run_id', ''))} step {p.get('step_number')}: {response.get('id')}"
+        return f"run {p.get('run_id', '')} step {p.get('step_number')}: {response.get('id')}"
     if kind == "runtime/baseline":
         return f"{len(p.get('messages', []))} messages, {len(p.get('runs', []))} runs as of {p.get('as_of')}"
-    return json.dumps(p, ensure_ascii=False)[:160]
+    return json.dumps(p, ensure_ascii=False)
 
 
 def _event_json(event: AgentStoreEvent) -> dict[str, Any]:
@@ -79,33 +74,14 @@ async def _events(store: Any, conversation: str, from_seq: int, limit: int) -> A
         seq = page.next_seq
 
 
-async def _collect(store: Any, conversation: str | None, from_seq: int, limit: int) -> list[AgentStoreEvent]:
-    if conversation is not None:
-        return [e async for e in _events(store, conversation, from_seq, limit)]
-    out: list[AgentStoreEvent] = []
-    cursor = None
-    while len(out) < limit:
-        page = await store.conversations.list(limit=100, cursor=cursor)
-        for head in page.items:
-            out += [e async for e in _events(store, head.conversation_id, from_seq, limit - len(out))]
-        cursor = page.next_cursor
-        if cursor is None:
-            break
-    return out
-
-
-def _table(events: list[AgentStoreEvent], with_conversation: bool) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    columns = (["conversation"] if with_conversation else []) + ["seq", "at", "kind", "what"]
-    for column in columns:
-        table.add_column(column, overflow="fold", ratio=1) if column == "what" else table.add_column(
-            column, no_wrap=True
-        )
-    for e in events:
-        at = e.occurred_at.astimezone().strftime("%m-%d %H:%M:%S")
-        cells = [str(e.seq), at, e.kind, escape(_summary(e))]
-        table.add_row(*([escape(e.conversation_id)] if with_conversation else []), *cells)
-    return table
+def _columns(one_conversation: bool) -> list[Column]:
+    return [
+        *([] if one_conversation else [Column("conversation", lambda e: e.conversation_id)]),
+        Column("seq", lambda e: str(e.seq)),
+        Column("at", lambda e: utc_z(e.occurred_at) or ""),
+        Column("kind", lambda e: e.kind),
+        Column("what", _summary, text=True),
+    ]
 
 
 async def _inspect_events(
@@ -120,36 +96,47 @@ async def _inspect_events(
 ) -> None:
     if follow and conversation is None:
         raise CliUsageError("--follow tails one conversation: pass --conversation")
-    console = Console(highlight=False)
-    async with open_store(db, dsn, create=False, schema=schema) as opened:
+    out = sys.stdout
+    async with open_store(db, dsn, create=False, schema=schema, read_only=True) as opened:
         store = opened.store
-        events = await _collect(store, conversation, from_seq, limit)
-        if as_json and not follow:
-            print(json.dumps([_event_json(e) for e in events], indent=2, ensure_ascii=False))
-            return
+        events: list[AgentStoreEvent] = []
+        heads = await find_conversations(opened, conversation)
+        for head in heads:
+            events += [e async for e in _events(store, head.conversation_id, from_seq, limit - len(events))]
+            if len(events) >= limit:
+                break
         if not follow:
-            console.print(_table(events, conversation is None) if events else "(no events)")
+            if as_json:
+                out.write(json.dumps([_event_json(e) for e in events], indent=2, ensure_ascii=False) + "\n")
+            elif not events:
+                out.write("(no events)\n")
+            elif out.isatty():
+                rich_table(_columns(conversation is not None), events)
+            else:
+                out.write(plain_table(_columns(conversation is not None), events) + "\n")
             return
-        assert conversation is not None
+        followed = heads[0].conversation_id
         seq = events[-1].seq + 1 if events else from_seq
         for e in events:  # then one line (or JSON document) per event as it is appended
-            _print_line(console, e, as_json)
+            _print_line(e, as_json)
         while True:
-            page = await store.read_events(conversation_id=conversation, from_seq=seq, limit=1000)
+            page = await store.read_events(conversation_id=followed, from_seq=seq, limit=1000)
             for e in page.items:
-                _print_line(console, e, as_json)
+                _print_line(e, as_json)
                 seq = e.seq + 1
-            sys.stdout.flush()
+            out.flush()
             if page.next_seq is None:
                 await asyncio.sleep(FOLLOW_POLL)
 
 
-def _print_line(console: Console, event: AgentStoreEvent, as_json: bool) -> None:
+def _print_line(event: AgentStoreEvent, as_json: bool) -> None:
+    """One event per line, never cut: its seq, UTC time, kind and what it records (or its JSON)."""
     if as_json:
-        print(json.dumps(_event_json(event), ensure_ascii=False), flush=True)
+        line = json.dumps(_event_json(event), ensure_ascii=False)
     else:
-        at = event.occurred_at.astimezone().strftime("%H:%M:%S")
-        console.print(f"{event.seq:>6} {at} {event.kind:<28} {escape(_summary(event))}", soft_wrap=True)
+        line = f"{event.seq:>6} {utc_z(event.occurred_at)} {event.kind:<28} {_summary(event)}"
+    sys.stdout.write(line.replace("\n", "\\n") + "\n")
+    sys.stdout.flush()
 
 
 def inspect_events_command(

@@ -21,7 +21,16 @@ from rich.table import Table
 
 from ..errors import ThreadlineError
 from ..runtime import takeover_expired_leases
-from .common import CliContext, CliUsageError, build_runtime, check_model, choose_model, clock_tool, open_store
+from .common import (
+    CliContext,
+    CliUsageError,
+    build_runtime,
+    check_model,
+    check_reachable,
+    choose_model,
+    clock_tool,
+    open_store,
+)
 from .render import StreamPrinter, reason_markup, say, short
 
 HINTS = {
@@ -127,6 +136,8 @@ def run_recover(
         raise CliUsageError("choose one of --abandon-stale, --requeue and --takeover-expired")
     choice = choose_model(model, base_url, pace=pace)
     check_model(choice, model or "scripted")
+    if base_url is not None:
+        check_reachable(base_url)
     action = "abandon" if abandon_stale else "requeue" if requeue else "takeover" if takeover_expired else "skip"
     console = Console(highlight=False)
     return asyncio.run(

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import AgentRuntimeUsageError
+from ..errors import AgentConfigError, AgentRuntimeUsageError
 
 __all__ = (
     "AgentInstructions",
@@ -398,19 +398,30 @@ def compose_agent_prompt(
     count_tokens: TextCounter | None = None,
 ) -> ComposedAgentPrompt:
     """Compose ordered contributions; names must be unique, ``render`` callable and ``stability`` one of
-    ``stable``, ``session``, ``dynamic``.
+    ``stable``, ``session``, ``dynamic``. Checked here: a bad one raises
+    :class:`~threadline.errors.AgentConfigError` naming it (``contributions[1].stability``).
 
     ``adapt_instructions(text)`` (sync or async) makes the provider-specific system content; its result is
     ``AgentPrompt.adapted``. ``count_tokens(text)`` measures tokens for the selected model (provenance
     ``measured``; ``None`` from it is ``unavailable``); without it counts are ``estimated``. Empty
     instructions count as zero tokens, ``measured`` (nothing to send).
     """
+    if isinstance(contributions, str | bytes | Mapping) or not isinstance(contributions, Sequence):
+        raise AgentConfigError(
+            "contributions is a list of {'name': ..., 'stability': ..., 'render': ...} "
+            f"(for one fixed text, pass prompt='...' to create_agent_runtime); got {type(contributions).__name__}",
+            field="contributions",
+        )
     parsed: list[AgentPromptContribution] = []
     for i, c in enumerate(contributions):
+        where = f"contributions[{i}]"
         if isinstance(c, Mapping):
-            unknown = set(c) - _CONTRIBUTION_KEYS
+            unknown = sorted(set(c) - _CONTRIBUTION_KEYS)
             if unknown:
-                raise AgentRuntimeUsageError(f"contributions[{i}] has unknown keys {sorted(unknown)}")
+                raise AgentConfigError(
+                    f"{where} has unknown keys {unknown}; known: {sorted(_CONTRIBUTION_KEYS)}",
+                    field=f"{where}.{unknown[0]}",
+                )
             c = AgentPromptContribution(
                 c.get("name", ""),
                 c.get("stability", "stable"),
@@ -418,19 +429,37 @@ def compose_agent_prompt(
                 c.get("source"),
             )
         if not isinstance(c, AgentPromptContribution):
-            raise AgentRuntimeUsageError(f"contributions[{i}] is a mapping or an AgentPromptContribution")
-        if not c.name or not callable(c.render):
-            raise AgentRuntimeUsageError(f"contributions[{i}] needs a name and a callable render")
+            raise AgentConfigError(
+                f"{where} is a mapping or an AgentPromptContribution, got {type(c).__name__}", field=where
+            )
+        if not isinstance(c.name, str) or not c.name:
+            raise AgentConfigError(f"{where}.name is a non-empty str, got {c.name!r}", field=f"{where}.name")
+        if not callable(c.render):
+            raise AgentConfigError(
+                f"{where}.render is a callable taking the prompt context and returning text "
+                f"(for fixed text: lambda ctx: 'You are helpful.'), got {c.render!r}",
+                field=f"{where}.render",
+            )
         if c.stability not in _STABILITIES:
-            raise AgentRuntimeUsageError(f"contributions[{i}].stability is 'stable', 'session' or 'dynamic'")
+            raise AgentConfigError(
+                f"{where}.stability is 'stable', 'session' or 'dynamic', got {c.stability!r}",
+                field=f"{where}.stability",
+            )
         if c.source is not None and (not isinstance(c.source, str) or not c.source):
-            raise AgentRuntimeUsageError(f"contributions[{i}].source is a non-empty string or None")
+            raise AgentConfigError(
+                f"{where}.source is a non-empty string or None, got {c.source!r}", field=f"{where}.source"
+            )
         parsed.append(c)
     names = [c.name for c in parsed]
-    if len(set(names)) != len(names):
-        raise AgentRuntimeUsageError(f"contribution names are unique: {names}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise AgentConfigError(f"contribution names are unique; given more than once: {twice}", field="contributions")
     if adapt_instructions is not None and not callable(adapt_instructions):
-        raise AgentRuntimeUsageError("adapt_instructions is a callable taking the instruction text")
+        raise AgentConfigError(
+            "adapt_instructions is None or a callable taking the instruction text", field="adapt_instructions"
+        )
     if count_tokens is not None and not callable(count_tokens):
-        raise AgentRuntimeUsageError("count_tokens is a callable taking a text and returning an int or None")
+        raise AgentConfigError(
+            "count_tokens is None or a callable taking a text and returning an int or None", field="count_tokens"
+        )
     return ComposedAgentPrompt(parsed, adapt_instructions=adapt_instructions, count_tokens=count_tokens)

@@ -39,6 +39,7 @@ from ..errors import AgentRecordValidationError
 from ..records import (
     PARTS_ADAPTER,
     AdmissionReceipt,
+    AgentRunFailure,
     ConversationHead,
     Message,
     MessageDraft,
@@ -248,6 +249,8 @@ class TerminalInput(_Owned):
     absorb: tuple[AbsorbClaimRecord, ...] = ()
     operation: RunOperation | None = None
     usage: AgentUsage | None = None
+    failure: AgentRunFailure | None = None
+    """Why a failed run failed (:attr:`threadline.records.Run.failure`), as the run record keeps it."""
 
 
 class CompactInput(_Record):

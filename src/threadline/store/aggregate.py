@@ -10,8 +10,6 @@ caller cannot tell which — read back (``load_run``) or retry with the same ide
 from __future__ import annotations
 
 import functools
-import os
-import random
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
@@ -26,10 +24,20 @@ from ..ledger.events import (
     AgentStoreEventPage,
     payload_record,
 )
-from ..records import ConversationSnapshot, MessageDraft, Part, Priority, RunOperation, validate_parts
+from ..records import (
+    AgentRunFailure,
+    ConversationSnapshot,
+    MessageDraft,
+    Part,
+    Priority,
+    RunOperation,
+    check_id,
+    validate_parts,
+)
 from ..usage import AgentUsage
 from . import reducer
 from .driver import Access, Operation, OperationStats, Purge, StoreDriver, Write
+from .ids import new_id as new_id
 from .reducer import AbsorbClaim
 from .results import (
     AcceptResult,
@@ -55,19 +63,6 @@ _CLAIMS = TypeAdapter(list[AbsorbClaim])
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-_ids = random.Random()  # seeded from os.urandom; reseeded in a forked child, so no two processes share it
-os.register_at_fork(after_in_child=_ids.seed)
-_bits = _ids.getrandbits
-
-
-def new_id(prefix: str = "") -> str:
-    """A fresh random id such as ``run_4f0c…`` (128 random bits in hex; without a prefix, the bits alone).
-
-    Ids need to be unique, not secret: a generator seeded from ``os.urandom`` draws them without a system
-    call each (several per turn)."""
-    return f"{prefix}_{_bits(128):032x}" if prefix else f"{_bits(128):032x}"
 
 
 def _validated(model: type[M], value: M | Mapping[str, Any], field: str) -> M:
@@ -116,9 +111,10 @@ def _drafts(values: Sequence[AgentStoreEventDraft | Mapping[str, Any]]) -> tuple
     return tuple(_draft(value, f"events[{i}].") for i, value in enumerate(values))
 
 
-def _require_text(value: object, field: str) -> None:
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise AgentRecordValidationError(f"{field} is a non-empty string without NUL, got {value!r}", field=field)
+def _ids(conversation_id: object, run_id: object = "-") -> None:
+    """The id rule (:func:`threadline.records.id_problem`) for the ids an operation names."""
+    check_id(conversation_id, "conversation_id")
+    check_id(run_id, "run_id")
 
 
 class AgentRuntimeStore:
@@ -165,6 +161,8 @@ class AgentRuntimeStore:
                 total.by_request[key] = total.by_request.get(key, 0) + n
 
     async def aclose(self) -> None:
+        """Close the driver (its connections, its thread). Idempotent; later operations raise
+        :class:`~threadline.errors.AgentStoreUnavailableError`."""
         await self.driver.aclose()
 
     @property
@@ -181,6 +179,12 @@ class AgentRuntimeStore:
                 "its row primitives (load_events, load_event_keys, load_all_receipts, load_all_seeds, and "
                 "the events of Write) and set driver.ledger = True",
             )
+
+    async def __aenter__(self) -> AgentRuntimeStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # ---------------------------------------------------------------------------------- mutations
 
@@ -210,8 +214,8 @@ class AgentRuntimeStore:
         ``lease_expires_at`` and ``operation``), and the result's run is ``running``. Otherwise the run is
         queued as usual and the caller acquires it later.
         """
-        _require_text(conversation_id, "conversation_id")
-        _require_text(idempotency_key, "idempotency_key")
+        check_id(conversation_id, "conversation_id")
+        check_id(idempotency_key, "idempotency_key")
         if priority not in ("ordinary", "urgent"):
             raise AgentRecordValidationError(f"priority is 'ordinary' or 'urgent', got {priority!r}", field="priority")
         fresh: list[str] = []
@@ -219,14 +223,19 @@ class AgentRuntimeStore:
             fresh.append(new_id("msg"))
             input = {**input, "id": fresh[-1]}
         draft = _validated(MessageDraft, input, "input")
-        if not run_id:
+        check_id(draft.id, "input.id")
+        if run_id is None:
             run_id = new_id("run")
             fresh.append(run_id)
-        if not assistant_message_id:
+        else:
+            check_id(run_id, "run_id")
+        if assistant_message_id is None:
             assistant_message_id = new_id("msg")
             fresh.append(assistant_message_id)
+        else:
+            check_id(assistant_message_id, "assistant_message_id")
         if start_for is not None:
-            _require_text(start_for, "start_for")
+            check_id(start_for, "start_for")
         op = functools.partial(
             reducer.accept_input_and_assign_run,
             event_id=new_id("evt"),
@@ -261,7 +270,8 @@ class AgentRuntimeStore:
         With ``operation`` (the first model request's admission) the same commit also writes an empty
         streaming assistant draft and records the operation as ``last_operation``: the acquisition is the
         run's first checkpoint too (``result.assistant`` is that draft)."""
-        _require_text(owner_id, "owner_id")
+        _ids(conversation_id, run_id)
+        check_id(owner_id, "owner_id")
         op = functools.partial(
             reducer.acquire_run,
             event_id=new_id("evt"),
@@ -292,6 +302,7 @@ class AgentRuntimeStore:
         ``last_operation`` phase in the same transaction (one commit for both), and with ``usage`` the run's
         cumulative spend (:attr:`threadline.records.Run.usage`). ``events`` are ledger records of declared
         kinds the same commit appends before its transition (a provider request, say)."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.checkpoint_run_assistant,
             event_id=new_id("evt"),
@@ -322,6 +333,7 @@ class AgentRuntimeStore:
     ) -> RunResult:
         """Durably record the run's ``last_operation`` phase (before the provider is called); with ``usage``,
         the run's cumulative spend in the same commit, with ``events`` ledger records of declared kinds."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.record_run_operation,
             event_id=new_id("evt"),
@@ -348,6 +360,7 @@ class AgentRuntimeStore:
         lease_expires_at: datetime,
     ) -> RunResult:
         """Extend the owner's lease on an acquired run."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.renew_run_lease,
             event_id=new_id("evt"),
@@ -365,6 +378,7 @@ class AgentRuntimeStore:
         self, *, conversation_id: str, run_id: str, expected_revision: int | None = None
     ) -> InterruptResult:
         """Durably mark an acquired run ``interrupt_requested``."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.request_run_interrupt,
             event_id=new_id("evt"),
@@ -390,10 +404,12 @@ class AgentRuntimeStore:
         operation: RunOperation | Mapping[str, Any] | None = None,
         usage: AgentUsage | None = None,
         events: Sequence[AgentStoreEventDraft | Mapping[str, Any]] = (),
+        failure: AgentRunFailure | Mapping[str, Any] | None = None,
     ) -> TerminalResult:
         """The terminal CAS of an owned run (see :func:`threadline.store.reducer.commit_run_terminal`); with
         ``operation``, its ``last_operation`` phase is recorded in the same commit, with ``usage`` the run's
-        cumulative spend."""
+        cumulative spend, with ``failure`` why it failed (kept as ``Run.failure``)."""
+        _ids(conversation_id, run_id)
         try:
             claims = _CLAIMS.validate_python(list(absorb)) if absorb else []
         except ValidationError as error:
@@ -413,6 +429,7 @@ class AgentRuntimeStore:
             operation=_validated(RunOperation, operation, "operation") if operation is not None else None,
             usage=_usage(usage),
             events=_drafts(events),
+            failure=_validated(AgentRunFailure, failure, "failure") if failure is not None else None,
             now=self._clock(),
         )
         return await self._run("commit_run_terminal", op, "write")
@@ -428,6 +445,7 @@ class AgentRuntimeStore:
         stale_owner: bool = False,
     ) -> RecoverResult:
         """Requeue (with replay-safe evidence) or abandon (with stale-owner evidence) an orphaned run."""
+        _ids(conversation_id, run_id)
         op = functools.partial(
             reducer.recover_run,
             event_id=new_id("evt"),
@@ -450,13 +468,16 @@ class AgentRuntimeStore:
         summary: MessageDraft | Mapping[str, Any],
     ) -> CompactionResult:
         """Replace a contiguous settled range with one summary, at exactly ``expected_version``."""
+        _ids(conversation_id)
+        draft = _validated(MessageDraft, summary, "summary")
+        check_id(draft.id, "summary.id")
         op = functools.partial(
             reducer.replace_compacted_range,
             event_id=new_id("evt"),
             conversation_id=conversation_id,
             expected_version=expected_version,
             replaced_message_ids=list(replaced_message_ids),
-            summary=_validated(MessageDraft, summary, "summary"),
+            summary=draft,
             now=self._clock(),
         )
         return await self._run("replace_compacted_range", op, "write")
@@ -470,9 +491,11 @@ class AgentRuntimeStore:
         placement: Literal["lead", "after-settled"] = "lead",
     ) -> SeedResult:
         """Write history no run owns, exactly once per ``seed_key``."""
-        _require_text(conversation_id, "conversation_id")
-        _require_text(seed_key, "seed_key")
+        check_id(conversation_id, "conversation_id")
+        check_id(seed_key, "seed_key")
         drafts = [_validated(MessageDraft, d, f"inputs[{i}]") for i, d in enumerate(inputs)]
+        for i, draft in enumerate(drafts):
+            check_id(draft.id, f"inputs[{i}].id")
         op = functools.partial(
             reducer.seed_conversation_input,
             event_id=new_id("evt"),
@@ -486,7 +509,7 @@ class AgentRuntimeStore:
 
     async def purge_conversation(self, *, conversation_id: str, expected_version: int | None = None) -> PurgeResult:
         """Delete the conversation and keep a permanent tombstone (see :func:`purge_agent_conversation`)."""
-        _require_text(conversation_id, "conversation_id")
+        check_id(conversation_id, "conversation_id")
         op = functools.partial(
             reducer.purge_conversation, conversation_id=conversation_id, expected_version=expected_version
         )
@@ -506,7 +529,7 @@ class AgentRuntimeStore:
         when given). ``limit`` is 1..10,000 (default 1,000); ``next_seq`` is set only when more events
         remain in the range. Bounded and indexed: a page costs its rows wherever it starts. An unknown or
         purged conversation has no events."""
-        _require_text(conversation_id, "conversation_id")
+        check_id(conversation_id, "conversation_id")
         self._require_ledger()
         op = functools.partial(
             reducer.read_events, conversation_id=conversation_id, from_seq=from_seq, to_seq=to_seq, limit=limit
@@ -527,7 +550,7 @@ class AgentRuntimeStore:
         ``provider/message`` body the ledger holds already is not written again: its first event is
         returned. Creates the conversation's head when it has none (version 0); a purged conversation is
         refused. Cancelling the caller does not withdraw a write already handed to the driver."""
-        _require_text(conversation_id, "conversation_id")
+        check_id(conversation_id, "conversation_id")
         self._require_ledger()
         draft = _draft({"kind": kind, "payload": payload, **({"ignorable": True} if ignorable else {})}, "")
         if occurred_at is not None and (not isinstance(occurred_at, datetime) or occurred_at.tzinfo is None):
@@ -593,6 +616,7 @@ class AgentRuntimeStore:
 
     async def load_snapshot(self, *, conversation_id: str) -> ConversationSnapshot:
         """Every active message in causal order and every run. Unbounded; see :meth:`load_run`."""
+        _ids(conversation_id)
         return await self._run(
             "load_snapshot", functools.partial(reducer.load_snapshot, conversation_id=conversation_id), "read"
         )
@@ -600,17 +624,20 @@ class AgentRuntimeStore:
     async def load_changes(self, *, conversation_id: str, since_version: int = 0) -> ConversationChanges:
         """The messages and runs written after ``since_version``; bounded by the change. Keeps a cached
         view of a conversation current without reading it whole (see ``threadline.history.view``)."""
+        _ids(conversation_id)
         op = functools.partial(reducer.load_changes, conversation_id=conversation_id, since_version=since_version)
         return await self._run("load_changes", op, "read")
 
     async def load_run(self, *, conversation_id: str, run_id: str) -> LoadedRun | None:
         """One run with the version it was read at and, once terminal, its answer. Bounded."""
+        _ids(conversation_id, run_id)
         return await self._run(
             "load_run", functools.partial(reducer.load_run, conversation_id=conversation_id, run_id=run_id), "read"
         )
 
     async def list_active_runs(self, *, conversation_id: str) -> ActiveRuns:
         """The conversation's runs that have not ended, in execution order. Bounded."""
+        _ids(conversation_id)
         return await self._run(
             "list_active_runs", functools.partial(reducer.list_active_runs, conversation_id=conversation_id), "read"
         )
@@ -638,6 +665,7 @@ class AgentConversationReader:
         include_compacted: bool = False,
     ) -> MessagePage:
         """One page of history in causal order (see :func:`threadline.store.reducer.page_messages`)."""
+        check_id(conversation_id, "conversation_id")
         op = functools.partial(
             reducer.page_messages,
             conversation_id=conversation_id,

@@ -23,8 +23,8 @@ from ..errors import (
 )
 from ..ledger.digests import check_provider_requests, message_digest
 from ..ledger.events import AgentStoreEvent, decode_agent_store_event
+from ._conformance_kit import StoreFactory, _case, _Conv, _equal, _expect, _raises, _text
 from .aggregate import AgentRuntimeStore, purge_agent_conversation
-from .conformance import StoreFactory, _case, _Conv, _equal, _expect, _raises, _text
 
 _MUTATIONS = ("accept", "acquire", "checkpoint", "terminal")
 
@@ -451,42 +451,55 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
 
 @_case("ledger_durable_steps")
 async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFactory) -> None:
-    """Durable steps kept in the ledger (``create_local_step_durability(store=)``): the intent and the proof
-    are ``durability/effect`` events found by key with the same work at any conversation length; a
-    reconstructed durability returns the proof, reconciles a bare intent or reports it uncertain, without
-    running the body — after compaction, and after export → import into another store; a branch keeps them
-    only as inert observations; applications cannot append them."""
-    from ..durability import AgentStepUncertainError, create_local_step_durability, run_agent_step
+    """Durable steps kept in the ledger (what ``create_local_step_durability(store=)`` stands on,
+    :mod:`threadline.store.effects`): a claim commits an intent under every key or returns what a key
+    holds; a proof is committed once per key; keys are found with the same work at any conversation
+    length; intents and proofs survive compaction and export → import into another store; a branch keeps
+    them only as inert observations; applications cannot append them, and an archive with a second proof
+    of one key is refused."""
+    from .effects import accept_step_effect, claim_step_effect, read_step_effect
 
     if await _absent(store):
         await _raises(
-            AgentStoreCapabilityError, "durable steps without a ledger", create_local_step_durability, store=store
+            AgentStoreCapabilityError,
+            "durable steps without a ledger",
+            read_step_effect,
+            store,
+            conversation_id="x",
+            run_id="r",
+            effect_name="e",
         )
         return
     c = _Conv(store, "ledger-steps")
     await c.turn("t1")
-    run = c.run("t1")
+    run, joined = c.run("t1"), c.run("t2")
+    proof = json.dumps({"refund": "R-7", "cents": 2**60})
 
-    def never() -> Any:
-        raise AssertionError("a recorded step ran its body again")
+    async def claim(name: str, *run_ids: str) -> Any:
+        return await claim_step_effect(store, conversation_id=c.cid, run_ids=run_ids or (run,), effect_name=name)
 
-    def fails() -> Any:
-        raise RuntimeError("the effect's outcome is unknown")
+    async def accept(name: str, value: str, *run_ids: str, reconciled: bool = False) -> Any:
+        return await accept_step_effect(
+            store,
+            conversation_id=c.cid,
+            run_ids=run_ids or (run,),
+            effect_name=name,
+            value_json=value,
+            reconciled=reconciled,
+        )
 
-    durability = create_local_step_durability(store=store)
-    _equal(
-        await run_agent_step(durability, c.cid, run, "refund:7", lambda: {"refund": "R-7", "cents": 2**60}),
-        {"refund": "R-7", "cents": 2**60},
-        "the first call runs the body",
-    )
-    _equal(
-        await run_agent_step(durability, c.cid, run, "refund:7", never),
-        {"refund": "R-7", "cents": 2**60},
-        "a second call returns the proof",
-    )
-    await _raises(RuntimeError, "a body that raised", run_agent_step, durability, c.cid, run, "mail:1", fails)
-    joined = await run_agent_step(durability, c.cid, run, "ticket", lambda: "T-1", joined_run_ids=(c.run("t2"),))
-    _equal(joined, "T-1", "a step that stands for a joined run")
+    _equal(await claim("refund:7"), None, "a new key is claimed")
+    intent = await claim("refund:7")
+    _expect(intent is not None and intent.accepted is None, "a second claim sees the bare intent")
+    _equal(await accept("refund:7", proof), None, "the proof is committed")
+    again = await accept("refund:7", "1")
+    _expect(again is not None and again.accepted is not None, "a second proof is not written")
+    _equal(again.accepted.payload["value_json"], proof, "the first proof stands")
+    _equal(await claim("mail:1"), None, "another effect: a bare intent is left")
+    _equal(await claim("ticket", run, joined), None, "one claim for a run and the run it joined")
+    _equal(await accept("ticket", '"T-1"', run, joined), None, "one proof for both")
+    held = await claim("ticket", joined)
+    _expect(held is not None and held.run_id == joined and held.accepted is not None, "the joined run's key")
     events = await _journal(store, c.cid)
     steps = [decode_agent_store_event(e)[1] for e in events if e.kind == "durability/effect"]
     _equal(
@@ -496,11 +509,11 @@ async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFact
             (run, "refund:7", "accepted"),
             (run, "mail:1", "intent"),
             (run, "ticket", "intent"),
-            (c.run("t2"), "ticket", "intent"),
+            (joined, "ticket", "intent"),
             (run, "ticket", "accepted"),
-            (c.run("t2"), "ticket", "accepted"),
+            (joined, "ticket", "accepted"),
         ],
-        "intents before their bodies, proofs after, under every key",
+        "intents before proofs, under every key",
     )
     error = await _raises(
         AgentRecordValidationError,
@@ -512,52 +525,52 @@ async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFact
     )
     _equal(error.field, "kind", "durable steps are the store's to write")
 
-    # constant work: a claim reads the same rows at any length of the conversation
-    async def claim_rows(name: str) -> int:
+    async def claim_rows(name: str) -> int:  # a new key: its lookup and its intent
         before = store.metrics["claim_step_effect"].rows_read
-        await run_agent_step(durability, c.cid, run, name, lambda: None)
+        await claim(name)
         return store.metrics["claim_step_effect"].rows_read - before
 
     short = await claim_rows("short")
     for n in range(2, 8):
         await c.turn(f"t{n}")
     _equal(await claim_rows("long"), short, "rows read by a claim do not grow with the conversation")
-
     await c.compact(["t1:in", "t1:out", "t2:in", "t2:out"], "s1")
 
     async def check(target: AgentRuntimeStore, where: str) -> None:
-        again = create_local_step_durability(store=target)
-        _equal(
-            await run_agent_step(again, c.cid, run, "refund:7", never),
-            {"refund": "R-7", "cents": 2**60},
-            f"{where}: the proof",
-        )
-        _equal(await run_agent_step(again, c.cid, c.run("t2"), "ticket", never), "T-1", f"{where}: the joined run")
-        record = await again.read(c.cid, run, "mail:1")
-        _expect(record is not None and record.state == "intent", f"{where}: the bare intent")
-        uncertain = await _raises(
-            AgentStepUncertainError, f"{where}: uncertain", run_agent_step, again, c.cid, run, "mail:1", never
-        )
-        _equal(uncertain.key, (c.cid, run, "mail:1"), f"{where}: the uncertain key")
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=run, effect_name="refund:7")
+        _expect(found is not None and found.accepted is not None, f"{where}: the proof")
+        _equal(found.accepted.payload["value_json"], proof, f"{where}: the proof's value")
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=joined, effect_name="ticket")
+        _expect(found is not None and found.accepted is not None, f"{where}: the joined run's proof")
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=run, effect_name="mail:1")
+        _expect(found is not None and found.intent is not None and found.accepted is None, f"{where}: bare intent")
 
     await check(store, "after compaction")
     data = await store.export_conversation(c.cid)
     async with factory() as other:
         await other.import_conversation(data)
         await check(other, "after import")
-        settled = await run_agent_step(
-            create_local_step_durability(store=other), c.cid, run, "mail:1", never, reconcile=lambda record: "sent"
+        held = await claim_step_effect(other, conversation_id=c.cid, run_ids=(run,), effect_name="mail:1")
+        _expect(held is not None and held.accepted is None, "after import: a claim finds the bare intent")
+        _equal(
+            await accept_step_effect(
+                other,
+                conversation_id=c.cid,
+                run_ids=(run,),
+                effect_name="mail:1",
+                value_json='"sent"',
+                reconciled=True,
+            ),
+            None,
+            "after import: the bare intent takes its (reconciled) proof",
         )
-        _equal(settled, "sent", "reconcile settles the bare intent")
-        record = await create_local_step_durability(store=other).read(c.cid, run, "mail:1")
-        _expect(record is not None and record.state == "accepted" and record.reconciled, "the reconciled proof")
-    await check(store, "the source, unchanged by the import's reconcile")
+    await check(store, "the source, unchanged by the import's proof")
 
     def second_proof(v: Any) -> None:  # a forged proof for a key that has one
-        proof = next(
+        first = next(
             e for e in v["events"] if e["kind"] == "durability/effect" and e["payload"]["status"] == "accepted"
         )
-        v["events"].append({**proof, "event_id": "evt_forged", "seq": len(v["events"]) + 1})
+        v["events"].append({**first, "event_id": "evt_forged", "seq": len(v["events"]) + 1})
         v["snapshot"]["head"]["event_seq"] += 1
 
     async with factory() as other:

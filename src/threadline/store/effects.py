@@ -13,14 +13,25 @@ Purging the conversation removes them with everything else.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, Protocol
 
 from . import reducer
+from .driver import Access
+from .ids import new_id
 from .reducer import StepEffect
 
-if TYPE_CHECKING:
-    from .aggregate import AgentRuntimeStore
+
+class AgentRuntimeStore(Protocol):
+    """What durable steps use of :class:`threadline.store.aggregate.AgentRuntimeStore` (named structurally,
+    as :mod:`threadline.store.transfer` does)."""
+
+    _clock: Callable[[], datetime]
+
+    def _require_ledger(self) -> None: ...
+    async def _run(self, name: str, operation: Callable[[], Any], access: Access) -> Any: ...
+
 
 __all__ = ["StepEffect", "accept_step_effect", "claim_step_effect", "read_step_effect"]
 
@@ -32,8 +43,6 @@ async def claim_step_effect(
     under every run id (one transaction). A purged conversation is refused
     (:class:`~threadline.errors.AgentConversationPurgedError`). Cancelling the caller does not withdraw a
     write already handed to the driver."""
-    from .aggregate import new_id
-
     store._require_ledger()
     op = functools.partial(
         reducer.claim_step_effect,
@@ -57,8 +66,6 @@ async def accept_step_effect(
 ) -> StepEffect | None:
     """Commit the accepted proof under each run id that holds a bare intent (one transaction) and return
     ``None``; or return the step when the first run id's key was accepted already (nothing written)."""
-    from .aggregate import new_id
-
     store._require_ledger()
     op = functools.partial(
         reducer.accept_step_effect,

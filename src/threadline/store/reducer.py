@@ -48,6 +48,7 @@ from ..records import (
     STORAGE,
     TEMPLATE_TIME,
     AdmissionReceipt,
+    AgentRunFailure,
     ConversationHead,
     ConversationSnapshot,
     Message,
@@ -950,9 +951,11 @@ def commit_run_terminal(
     usage: AgentUsage | None = None,
     event_id: str = "",
     events: Sequence[AgentStoreEventDraft] = (),
+    failure: AgentRunFailure | None = None,
 ) -> Operation[TerminalResult]:
     """The terminal CAS: writes the final assistant and the terminal reason, settles the run's messages,
-    and — only for a completed run — absorbs the claimed queued runs in the same transaction.
+    and — only for a completed run — absorbs the claimed queued runs in the same transaction. ``failure``
+    (why a failed run failed) is kept on the run record.
 
     ``parts=None`` keeps the last checkpointed draft. ``operation``, when given, becomes the run's
     ``last_operation`` in the same commit (the last step's completion needs no checkpoint of its own).
@@ -1038,6 +1041,7 @@ def commit_run_terminal(
         head.version,
         **({"last_operation": operation} if operation is not None else {}),
         **({"usage": usage} if usage is not None else {}),
+        **({"failure": failure} if failure is not None else {}),
         state=state,
         terminal_reason=terminal_reason,
         policy_name=policy_name,
@@ -1078,6 +1082,8 @@ def commit_run_terminal(
             for c in absorb
         ]
     _with_spend(command, operation, usage)
+    if failure is not None:
+        command["failure"] = _json(failure)
     w = _stamp(Mutation(head=head, runs=(final, *absorbed_final), messages=tuple(settled)))
     w = _recorded(w, now, event_id, "terminal", command, declared)
     yield Write(w)

@@ -17,8 +17,8 @@ from ..errors import AgentArchiveRejectedError, ThreadlineError
 from ..ledger.events import AgentStoreEvent, BaselineRecord, parts_digest, payload_record
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord, evolve
 from . import reducer
+from ._memory_rows import _Conversation, _Rows
 from .driver import Mutation, Write, drive_sync
-from .memory import _Conversation, _Rows
 from .reducer import AbsorbClaim
 
 __all__ = ["Replayed", "replay_events", "verify_snapshot"]
@@ -111,6 +111,7 @@ def _operation(cid: str, kind: str, command: Any, now: Any) -> Any:
             absorb=[AbsorbClaim(a.run_id, a.expected_revision, a.input_message_ids) for a in c.absorb],
             operation=c.operation,
             usage=c.usage,
+            failure=c.failure,
         )
     raise AssertionError(f"no replay for transition {kind!r}")
 

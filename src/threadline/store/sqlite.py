@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -1072,8 +1073,10 @@ class SqliteStoreDriver:
         filename: str,
         *,
         synchronous: str = "NORMAL",
+        read_only: bool = False,
     ) -> None:
         self.filename = filename
+        self.read_only = read_only
         self.max_batch = _MAX_BATCH
         self.transactions = 0
         self.operations = 0
@@ -1107,8 +1110,12 @@ class SqliteStoreDriver:
     def _main(self, ready: threading.Event) -> None:
         conn: sqlite3.Connection | None = None
         try:
+            if self.read_only:  # SQLite itself refuses every write, and a missing file is not created
+                target, uri = f"{Path(self.filename).resolve().as_uri()}?mode=ro", True
+            else:
+                target, uri = self.filename, False
             conn = sqlite3.connect(
-                self.filename, timeout=0, isolation_level=None, cached_statements=256, check_same_thread=False
+                target, timeout=0, isolation_level=None, cached_statements=256, check_same_thread=False, uri=uri
             )
             deadline = time.monotonic() + _OPEN_BUSY_GRACE
             while True:
@@ -1317,6 +1324,9 @@ class SqliteStoreDriver:
 
     def _initialize(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA busy_timeout = 0")
+        if self.read_only:
+            self._initialize_read_only(conn)
+            return
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() not in ("wal", "memory"):
             raise AgentStoreUnavailableError(
@@ -1355,6 +1365,25 @@ class SqliteStoreDriver:
         except BaseException:
             self._rollback(conn)
             raise
+
+    def _initialize_read_only(self, conn: sqlite3.Connection) -> None:
+        """Read-only: change nothing (no journal mode, no schema, no migration); the schema must be there,
+        at this threadline's version."""
+        conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
+        conn.execute("BEGIN")
+        try:
+            version = self._inspect(conn)
+        finally:
+            self._rollback(conn)
+        if version == 0:
+            raise AgentStoreSchemaError(
+                f"{self.filename} holds no threadline tables (opened read-only: nothing created)"
+            )
+        if version != SQLITE_SCHEMA_VERSION:
+            raise AgentStoreSchemaError(
+                f"{self.filename} holds threadline schema version {version}; this threadline migrates it to "
+                f"{SQLITE_SCHEMA_VERSION} when it opens the file for writing (opened read-only: nothing changed)"
+            )
 
     def _inspect(self, conn: sqlite3.Connection) -> int:
         """The schema version present (0: no threadline object exists). A partial schema, or a version this
@@ -1618,7 +1647,8 @@ def _is_notadb(error: sqlite3.Error) -> bool:
 
 class SqliteAgentRuntimeStoreHandle:
     """An open SQLite store: ``store`` (the :class:`AgentRuntimeStore`), ``conversations`` (its paged
-    reader), full-text :meth:`search_messages`, and :meth:`close`. Also an async context manager."""
+    reader), full-text :meth:`search_messages`, and :meth:`aclose`. Also an async context manager that
+    closes it on exit. ``create_agent_runtime(store=handle)`` takes the handle itself."""
 
     def __init__(self, driver: SqliteStoreDriver, store: AgentRuntimeStore) -> None:
         self.driver = driver
@@ -1631,9 +1661,14 @@ class SqliteAgentRuntimeStoreHandle:
         A purged or unknown conversation has none. ``limit`` is 1..1000."""
         return await self.driver.search_messages(conversation_id, query, limit)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Finish accepted operations, then close the connection. Later calls raise
-        :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent."""
+        :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent. ``async with`` closes the same
+        way on exit; ``close()`` is the same call."""
+        await self.store.aclose()
+
+    async def close(self) -> None:
+        """:meth:`aclose` (kept as a second spelling)."""
         await self.store.aclose()
 
     async def __aenter__(self) -> SqliteAgentRuntimeStoreHandle:
@@ -1642,7 +1677,7 @@ class SqliteAgentRuntimeStoreHandle:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.close()
+        await self.aclose()
 
     def __repr__(self) -> str:
         return f"<SqliteAgentRuntimeStoreHandle {self.filename!r}>"
@@ -1653,16 +1688,23 @@ def create_sqlite_agent_runtime_store(
     *,
     synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
     clock: Callable[[], datetime] | None = None,
+    read_only: bool = False,
 ) -> SqliteAgentRuntimeStoreHandle:
     """Open (creating if needed) the threadline schema in ``filename`` and return a handle.
 
     ``synchronous='NORMAL'`` (default) survives process crashes; ``'FULL'`` also survives power loss at
-    the cost of an fsync per commit. Raises :class:`~threadline.errors.AgentStoreSchemaError` for an
-    unknown, partial or foreign schema (or a SQLite without FTS5), and
-    :class:`~threadline.errors.AgentStoreUnavailableError` when the file cannot be opened.
+    the cost of an fsync per commit. ``read_only=True`` opens an existing database with SQLite's
+    ``mode=ro`` (what ``threadline inspect`` does): nothing is created or migrated, every write fails with
+    :class:`~threadline.errors.AgentStoreUnavailableError`, and a file without the current threadline
+    schema is :class:`~threadline.errors.AgentStoreSchemaError`. Raises
+    :class:`~threadline.errors.AgentStoreSchemaError` for an unknown, partial or foreign schema (or a
+    SQLite without FTS5), and :class:`~threadline.errors.AgentStoreUnavailableError` when the file cannot
+    be opened (read-only: also when it does not exist).
     """
     if not isinstance(synchronous, str) or synchronous.upper() not in _SYNCHRONOUS:
         raise AgentRecordValidationError(f"synchronous is 'NORMAL' or 'FULL', got {synchronous!r}", field="synchronous")
-    driver = SqliteStoreDriver(os.fspath(filename), synchronous=synchronous.upper())
+    if not isinstance(read_only, bool):
+        raise AgentRecordValidationError(f"read_only is True or False, got {read_only!r}", field="read_only")
+    driver = SqliteStoreDriver(os.fspath(filename), synchronous=synchronous.upper(), read_only=read_only)
     store = create_agent_runtime_store(driver) if clock is None else create_agent_runtime_store(driver, clock=clock)
     return SqliteAgentRuntimeStoreHandle(driver, store)

@@ -20,9 +20,9 @@ import functools
 import gc
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import rfc8785
 from pydantic import BaseModel, ConfigDict
@@ -42,15 +42,29 @@ from ..ledger.events import (
     RUNTIME_KINDS,
     AgentBranchReceipt,
     AgentStoreEvent,
+    AgentStoreEventPage,
     BaselineRecord,
     payload_record,
 )
 from ..records import STORAGE, ApprovalRequestPart, InputJoinedPart, Message, Part, Run, evolve
 from . import reducer
+from .driver import Access
+from .ids import new_id
 from .replay import Replayed, replay_events, verify_snapshot
 
-if TYPE_CHECKING:
-    from .aggregate import AgentRuntimeStore
+
+class AgentRuntimeStore(Protocol):
+    """What the transfers use of :class:`threadline.store.aggregate.AgentRuntimeStore` (named structurally:
+    the store calls into this module, so this module does not import it)."""
+
+    _clock: Callable[[], datetime]
+
+    async def _run(self, name: str, operation: Callable[[], Any], access: Access) -> Any: ...
+    async def read_events(
+        self, *, conversation_id: str, from_seq: int = 1, to_seq: int | None = None, limit: int = ...
+    ) -> AgentStoreEventPage: ...
+    async def list_active_runs(self, *, conversation_id: str) -> Any: ...
+
 
 logger = logging.getLogger("threadline.store.transfer")
 
@@ -402,7 +416,6 @@ def _rekeyed(
     now: datetime,
 ) -> reducer.ConversationRows:
     """The copy: every engine identity new, no owner, fence or approval signature; its journal."""
-    from .aggregate import new_id
 
     run_ids = {rid: new_id("run") for rid in state.runs}
     message_ids = {mid: new_id("msg") for mid in state.messages}

@@ -106,8 +106,8 @@ __all__ = [
 
 class PostgresAgentRuntimeStoreHandle:
     """A PostgreSQL store: ``store`` (the :class:`AgentRuntimeStore`), ``conversations`` (its paged
-    reader), ``driver``, :meth:`open` and :meth:`close`. As an async context manager it opens on enter
-    and closes on exit."""
+    reader), ``driver``, :meth:`open` and :meth:`aclose`. As an async context manager it opens on enter
+    and closes on exit. ``create_agent_runtime(store=handle)`` takes the handle itself."""
 
     def __init__(self, driver: PostgresStoreDriver, store: AgentRuntimeStore) -> None:
         self.driver = driver
@@ -123,22 +123,27 @@ class PostgresAgentRuntimeStoreHandle:
         await self.driver.open()
         return self
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Let operations in flight finish, then close the pool if the handle created it (a pool passed in
-        stays open). Later calls raise :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent."""
+        stays open). Later calls raise :class:`~threadline.errors.AgentStoreUnavailableError`. Idempotent.
+        ``async with`` closes the same way on exit; ``close()`` is the same call."""
+        await self.store.aclose()
+
+    async def close(self) -> None:
+        """:meth:`aclose` (kept as a second spelling)."""
         await self.store.aclose()
 
     async def __aenter__(self) -> PostgresAgentRuntimeStoreHandle:
         try:
             return await self.open()
         except BaseException:
-            await self.close()
+            await self.aclose()
             raise
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.close()
+        await self.aclose()
 
     def __repr__(self) -> str:
         return f"<PostgresAgentRuntimeStoreHandle {self.driver.where} schema={self.schema!r}>"

@@ -253,7 +253,10 @@ async def test_an_sse_reader_that_falls_behind_gets_resync_required_and_the_stre
     from .conftest import wait_for
 
     scripted = Scripted()
-    harness = make_harness(scripted, loop={"checkpoint_every_events": 1_000_000})
+    # a 6 MB input (the scripted model streams it back) is above the 1 MiB default admission limit
+    harness = make_harness(
+        scripted, loop={"checkpoint_every_events": 1_000_000}, runs={"max_input_bytes": 8 * 1024 * 1024}
+    )
     control = create_agent_harness_control_server(harness, max_pending_events=8)
     async with serving(create_agent_harness_app(harness, control=control)) as base:
         host, port = base.split(":")

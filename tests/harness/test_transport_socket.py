@@ -150,7 +150,10 @@ async def test_a_socket_that_falls_behind_is_closed_with_resync_required() -> No
     reading: the server's sends back up, its queue overflows, the run goes on, and the socket is closed with
     4008 ``resync-required`` once the client reads again."""
     scripted = Scripted()
-    harness = make_harness(scripted, loop={"checkpoint_every_events": 1_000_000})
+    # a long input (the scripted model streams it back) is above the 1 MiB default admission limit
+    harness = make_harness(
+        scripted, loop={"checkpoint_every_events": 1_000_000}, runs={"max_input_bytes": 8 * 1024 * 1024}
+    )
     control = create_agent_harness_control_server(harness, max_pending_events=8)
     async with serving(create_agent_harness_app(harness, control=control)) as base:
         host, port = base.split(":")

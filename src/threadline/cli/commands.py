@@ -341,6 +341,12 @@ def worker(
             "allocations (docs/operations.md, Throughput); --no-gc-tuning keeps Python's defaults.",
         ),
     ] = True,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live", help="Publish every run's stream through the store's live relay (for threadline serve --live)."
+        ),
+    ] = False,
 ) -> None:
     """Execute whatever is queued (runs admitted by any process) until SIGTERM, then close gracefully."""
     with _reported():
@@ -361,6 +367,7 @@ def worker(
                 force=force,
                 replay_safe=takeover_expired,
                 gc_tuning=gc_tuning,
+                live=live,
             )
         )
         raise typer.Exit(status)
@@ -402,11 +409,25 @@ def serve(
     ] = None,
     grace: Annotated[float, typer.Option("--grace", help="On stop: seconds runs may finish on their own.")] = 10.0,
     force: Annotated[float, typer.Option("--force", help="Then: seconds to wait for aborted runs to settle.")] = 5.0,
+    admit_only: Annotated[
+        bool,
+        typer.Option("--admit-only", help="Only admit input; workers (threadline worker) execute the runs."),
+    ] = False,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live",
+            help="Exchange run streams with other processes through the store's live relay (SQLite or "
+            "PostgreSQL): with --admit-only, viewers see what a `threadline worker --live` streams.",
+        ),
+    ] = False,
 ) -> None:
     """Serve conversations over HTTP: the control protocol on a WebSocket, Server-Sent Events per
     conversation, the Vercel AI SDK chat stream and a REST surface (needs threadline[server]); or, with
     --stdio, as a JSON-lines runner for a supervisor. --demo answers with the built-in scripted model."""
     with _reported():
+        import asyncio
+
         from .serve import run_serve
 
         status = asyncio.run(
@@ -426,6 +447,8 @@ def serve(
                 grace=grace,
                 force=force,
                 roots=root or [],
+                admit_only=admit_only,
+                live=live,
             )
         )
         raise typer.Exit(status)

@@ -31,7 +31,9 @@ DEMO_PACE = 0.04
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _harness(store: Any, model: Any, *, tools: Sequence[Any], resources: Any = None) -> Any:
+def _harness(
+    store: Any, model: Any, *, tools: Sequence[Any], resources: Any = None, execute: bool = True, publish: Any = None
+) -> Any:
     from ..harness import create_headless_agent_harness
     from ..models import define_model_registry
     from ..protocol import define_agent_protocol
@@ -43,8 +45,17 @@ def _harness(store: Any, model: Any, *, tools: Sequence[Any], resources: Any = N
         models={"preflight": lambda: registry.preflight("model"), "resolve": lambda: registry.resolve("model")},
         resources=resources,
         tools=list(tools),
-        runs={"resolve_context": lambda _run: CliContext()},
+        runs={"resolve_context": lambda _run: CliContext(), "input_policy": input_policy, "execute": execute},
+        publish=publish,
     )
+
+
+def input_policy(raw: Any) -> str:
+    """The policy an input asks for in ``input_metadata.policy`` (the web inspector's policy selector),
+    else ``queue``; an unknown name is refused by the runtime, naming the policies."""
+    metadata = raw.input_metadata
+    policy = metadata.get("policy") if isinstance(metadata, dict) else None
+    return policy if isinstance(policy, str) else "queue"
 
 
 async def _stdin_lines() -> AsyncIterator[bytes]:
@@ -189,6 +200,8 @@ async def run_serve(
     force: float,
     pace: float | None = None,
     roots: Sequence[str] = (),
+    admit_only: bool = False,
+    live: bool = False,
 ) -> int:
     if demo and (model or base_url):
         raise CliUsageError("--demo uses the built-in scripted model; leave out --model and --base-url")
@@ -198,9 +211,27 @@ async def run_serve(
     choice = choose_model(model, base_url, pace=DEMO_PACE if demo and pace is None else (pace or 0.0))
     check_model(choice, model or "scripted")
     tools = [lookup_tool(), clock_tool()] if (demo or choice.scripted is not None) else [lookup_tool()]
-    async with open_store(db, dsn, schema=schema) as opened:
-        harness = _harness(opened.store, choice.model, tools=tools, resources=resources)
-        sweeping = asyncio.ensure_future(harness.serve(resolve_context=lambda _run: CliContext(), poll_interval=1.0))
+    async with open_store(db, dsn, schema=schema) as opened, contextlib.AsyncExitStack() as stack:
+        relay = None
+        if live:
+            from ..live import create_agent_live_relay
+
+            relay = await stack.enter_async_context(create_agent_live_relay(opened.store))
+        harness = _harness(
+            opened.store,
+            choice.model,
+            tools=tools,
+            resources=resources,
+            execute=not admit_only,
+            publish=relay.publish if relay is not None else None,
+        )
+        if relay is not None:
+            await relay.subscribe(harness)  # other processes' streams reach this server's viewers
+        sweeping = (
+            asyncio.ensure_future(harness.serve(resolve_context=lambda _run: CliContext(), poll_interval=1.0))
+            if not admit_only
+            else asyncio.ensure_future(asyncio.Event().wait())
+        )
         try:
             if stdio:
                 from ..harness import run_headless_agent_runner
@@ -208,6 +239,10 @@ async def run_serve(
                 await run_headless_agent_runner(harness, input=_stdin_lines(), write=_stdout_writer(), events=events)
             else:
                 banner = [f"model: {choice.label}; store: {opened.where}"]
+                if admit_only:
+                    banner.append("admitting only: `threadline worker` processes execute the runs")
+                if relay is not None:
+                    banner.append(f"live relay: {relay.where}")
                 if demo:
                     banner += _demo_banner(token)
                 await _serve_http(harness, host=host, port=port, token=token, cors_origins=cors_origins, banner=banner)

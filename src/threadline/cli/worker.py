@@ -9,6 +9,7 @@ seconds; queued runs stay durably queued for the next worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import sys
@@ -46,11 +47,20 @@ async def run_worker(
     force: float,
     replay_safe: bool,
     gc_tuning: bool = True,
+    live: bool = False,
 ) -> int:
     choice = choose_model(model, base_url)
     check_model(choice, model or "scripted")
-    async with open_store(db, dsn, schema=schema) as opened:
-        runtime = build_runtime(opened.store, choice.model, tools=[lookup_tool()], lease_duration=lease, owner_id=None)
+    async with open_store(db, dsn, schema=schema) as opened, contextlib.AsyncExitStack() as stack:
+        publish = None
+        if live:  # other processes (threadline serve --live) see this worker's runs as they stream
+            from ..live import create_agent_live_relay
+
+            relay = await stack.enter_async_context(create_agent_live_relay(opened.store))
+            publish = relay.publish
+        runtime = build_runtime(
+            opened.store, choice.model, tools=[lookup_tool()], lease_duration=lease, owner_id=None, publish=publish
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,9 +1,9 @@
 """``create_agent_harness_app``: the Starlette application over one harness.
 
 Routes live in small modules (``probes``, ``conversations``, ``control_socket``, ``sse``, ``vercel``) and
-reach the harness through :class:`ServerState` (``request.app.state.threadline``). More routes (a static
-page, say) are added with ``routes=``; events reach every route through the harness's event hub, the one
-seam a cross-process relay would feed too.
+reach the harness through :class:`~threadline.server.state.ServerState` (``request.app.state.threadline``).
+More routes (a static page, say) are added with ``routes=``; events reach every route through the harness's
+event hub, the one seam a cross-process relay would feed too.
 
 The app never closes the harness: whoever created the harness closes it (``threadline serve`` does after
 the server stopped). On shutdown the app closes the control server it created, which detaches every client.
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -23,53 +21,8 @@ from starlette.routing import BaseRoute
 
 from ..errors import AgentConfigError
 from ..harness import AgentHarnessControlServer, HeadlessAgentHarness, create_agent_harness_control_server
-from ..store.aggregate import AgentConversationReader
 from .auth import Authenticate
-
-
-@dataclass(frozen=True)
-class AgentServerSettings:
-    """What the routes share. Every bound has a default."""
-
-    authenticate: Authenticate | None = None
-    """See :mod:`threadline.server.auth`."""
-    cors_origins: tuple[str, ...] = ()
-    """Origins allowed to call from a browser (``("*",)`` for any; credentials are then not allowed)."""
-    max_pending_requests: int = 32
-    """Requests one WebSocket may have in flight; beyond it they answer ``REQUEST_CAPACITY``."""
-    max_body_bytes: int = 1_048_576
-    """The largest request body or WebSocket message read."""
-    keepalive: float = 15.0
-    """Seconds of silence after which an SSE stream sends a comment (proxies drop idle streams)."""
-    chat_path: str = "/api/chat"
-    """Where the Vercel AI SDK UI message stream endpoint listens (``useChat``'s default)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_pending_requests", "max_body_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AgentConfigError(f"{name} is a positive integer, got {value!r}", field=name)
-        if not (isinstance(self.keepalive, int | float) and self.keepalive > 0):
-            raise AgentConfigError(
-                f"keepalive is a positive number of seconds, got {self.keepalive!r}", field="keepalive"
-            )
-        if not self.chat_path.startswith("/"):
-            raise AgentConfigError(f"chat_path starts with '/', got {self.chat_path!r}", field="chat_path")
-
-
-@dataclass
-class ServerState:
-    harness: HeadlessAgentHarness
-    control: AgentHarnessControlServer
-    settings: AgentServerSettings
-    conversations: AgentConversationReader = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.conversations = AgentConversationReader(self.harness.store)
-
-
-def server_state(app: Any) -> ServerState:
-    return app.state.threadline
+from .state import AgentServerSettings as AgentServerSettings, ServerState
 
 
 def create_agent_harness_app(
@@ -82,12 +35,15 @@ def create_agent_harness_app(
     max_pending_attachments: int = 32,
     max_pending_events: int = 128,
     routes: Sequence[BaseRoute] = (),
+    inspector: bool = True,
 ) -> Starlette:
     """The ASGI app serving ``harness``. ``authenticate`` and ``cors_origins`` are shortcuts for the same
     fields of ``settings``. A ``control`` server may be shared with other transports; otherwise one is
     created with ``max_pending_attachments`` and ``max_pending_events`` and closed when the app shuts down.
-    ``routes`` are added after the built-in ones. Build it inside the running event loop that serves it."""
+    ``routes`` are added after the built-in ones. ``inspector`` serves the web inspector at ``/``
+    (:mod:`threadline.server.inspector`). Build it inside the running event loop that serves it."""
     from . import control_socket, conversations, probes, sse, vercel
+    from .inspector import routes as inspector_routes
 
     if settings is None:
         settings = AgentServerSettings(authenticate=authenticate, cors_origins=tuple(cors_origins))
@@ -127,6 +83,7 @@ def create_agent_harness_app(
             *control_socket.routes(),
             *sse.routes(),
             *vercel.routes(settings.chat_path),
+            *(inspector_routes() if inspector else ()),
             *routes,
         ],
         middleware=middleware,

@@ -24,8 +24,8 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..harness.control_schema import control_error
-from .app import server_state
 from .auth import Caller, identify
+from .state import server_state
 
 _log = logging.getLogger("threadline.server")
 

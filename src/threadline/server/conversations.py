@@ -32,10 +32,10 @@ from ..errors import (
     ThreadlineError,
 )
 from ..records import Part
-from .app import server_state
 from .auth import identify
 from .body import BodyRefused, parse_body
 from .responses import error_response, model_json, unauthorized
+from .state import server_state
 
 _log = logging.getLogger("threadline.server")
 

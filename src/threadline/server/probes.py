@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .app import server_state
+from .state import server_state
 
 _log = logging.getLogger("threadline.server")
 

@@ -29,9 +29,9 @@ from starlette.routing import Route
 
 from ..events import DURABLE_EVENT_TYPES
 from ..records import ConversationSnapshot
-from .app import server_state
 from .auth import identify
 from .responses import error_response, unauthorized
+from .state import server_state
 
 STREAM_QUEUE = 16
 """Deliveries handed from the control connection to the response writer at once (the control server's

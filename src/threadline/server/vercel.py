@@ -51,11 +51,11 @@ from starlette.routing import Route
 
 from ..errors import ThreadlineError
 from ..records import ACTIVE_RUN_STATES, Message
-from .app import server_state
 from .auth import identify
 from .body import BodyRefused, parse_body
 from .conversations import threadline_error
 from .responses import error_response, unauthorized
+from .state import server_state
 
 UI_MESSAGE_STREAM_HEADERS = {"x-vercel-ai-ui-message-stream": "v1", "cache-control": "no-cache"}
 SDK_VERSION = 6

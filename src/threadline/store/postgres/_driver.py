@@ -158,7 +158,9 @@ class PostgresStoreDriver:
     def pool(self) -> AsyncConnectionPool[Any] | None:
         return self._pool
 
-    async def listen(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], Awaitable[None]]:
+    async def listen(
+        self, callback: Callable[[dict[str, Any]], None], *, channel: str | None = None
+    ) -> Callable[[], Awaitable[None]]:
         """Deliver this store's notifications (``{"event": "interrupt" | "queued", "conversation_id",
         "run_id"}``, sent by other processes' commits) to ``callback`` on the event loop, over one
         dedicated connection, until the returned ``stop()`` is awaited. A notification is a hint to look
@@ -166,11 +168,15 @@ class PostgresStoreDriver:
         One from another process also makes the driver forget what it last saw of that conversation, so
         its next write reads the rows instead of guarding stale ones.
 
+        ``channel``: listen on another channel of the same server instead (a leaf's own, such as the live
+        relay's); its JSON payloads go to ``callback`` as they are and the driver's memory is left alone.
+
         Raises :class:`~threadline.errors.AgentStoreUnavailableError` when the first connection cannot
         listen. A connection lost later (a server restart, ``pg_terminate_backend``) is replaced: the
         driver connects again, backing off from 50 ms to 2 s while the server is away, and then delivers
         ``{"event": "resync"}``: notifications sent in between were missed, so look at the durable state."""
-        conn = await self._listening_connection()
+        own = channel is None
+        conn = await self._listening_connection(channel)
 
         async def pump() -> None:
             nonlocal conn
@@ -181,7 +187,7 @@ class PostgresStoreDriver:
                         delay = 0.05
                         try:
                             note = json.loads(notify.payload)
-                            if notify.pid not in self._own_backends:  # another process wrote this conversation
+                            if own and notify.pid not in self._own_backends:  # another process wrote it
                                 self._hints.forget(str(note.get("conversation_id")))
                             callback(note)
                         except Exception:
@@ -194,11 +200,12 @@ class PostgresStoreDriver:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     try:
-                        conn = await self._listening_connection()
+                        conn = await self._listening_connection(channel)
                         break
                     except AgentStoreUnavailableError:
                         continue
-                self._hints.forget_all()  # writes of other processes went unheard meanwhile
+                if own:
+                    self._hints.forget_all()  # writes of other processes went unheard meanwhile
                 with contextlib.suppress(Exception):
                     callback({"event": "resync"})
 
@@ -213,18 +220,29 @@ class PostgresStoreDriver:
 
         return stop
 
-    async def _listening_connection(self) -> psycopg.AsyncConnection[Any]:
+    async def connect(self, *, what: str = "connect") -> psycopg.AsyncConnection[Any]:
+        """A new autocommit connection to this store's server, outside the pool (a dedicated connection for
+        listening, or for a leaf such as the live relay); the caller closes it. Raises
+        :class:`~threadline.errors.AgentStoreUnavailableError` (naming ``what`` was being done) when the
+        server cannot be reached within the driver's ``timeout``."""
         conninfo = self._dsn if self._dsn is not None else (self._pool.conninfo if self._pool is not None else "")
         try:
-            conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
+            return await psycopg.AsyncConnection.connect(conninfo, autocommit=True, connect_timeout=self._timeout)
         except psycopg.Error as error:
-            raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+            raise AgentStoreUnavailableError(f"cannot {what} on {self.where}: {error}") from error
+
+    async def _listening_connection(self, channel: str | None = None) -> psycopg.AsyncConnection[Any]:
+        conn = await self.connect(what="listen")
         try:
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._q.channel)))
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel or self._q.channel)))
         except psycopg.Error as error:
             with contextlib.suppress(Exception):
                 await conn.close()
             raise AgentStoreUnavailableError(f"cannot listen on {self.where}: {error}") from error
+        except BaseException:  # cancelled (a runtime closing right after it began to listen): not left open
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
         return conn
 
     def _own_backend(self, pid: int) -> None:

@@ -1,13 +1,14 @@
-"""Durable steps kept in the conversation's ledger (``create_local_step_durability(store=...)``) on real
-SQLite files and the real PostgreSQL server.
+"""Durable steps kept in the conversation's ledger (``create_local_step_durability(store=...)``) on the
+memory store, real SQLite files and the real PostgreSQL server.
 
 Pins. A child process SIGKILLed inside a step's body — after the intent's commit, before the proof —
 leaves a bare intent in the runtime store itself: the parent reopening the store gets
 :class:`AgentStepUncertainError` without running the body, and ``reconcile`` settles it for good. An
 archive exported from SQLite and imported into PostgreSQL brings the proof and the bare intent along. A
-runtime given this durability records every ``ctx.step`` of its tools beside the conversation. Wrong
-arguments are refused by name. No verdict depends on timing (``wait_for`` only keeps a broken build from
-hanging).
+runtime given this durability records every ``ctx.step`` of its tools beside the conversation; on every
+driver, compacting those turns and export → import into a fresh store keep each proof, bare intent and
+reconcile working, and no body runs twice. Wrong arguments are refused by name. No verdict depends on
+timing (``wait_for`` only keeps a broken build from hanging).
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ def open_store(target: str) -> Any:
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "threadline.db")
-    dsn = request.getfixturevalue("postgres_dsn")
-    return f"{dsn}#{request.getfixturevalue('schema')}"
+    return str(request.getfixturevalue("pg_target"))
 
 
 def never() -> Any:
@@ -238,3 +238,101 @@ async def test_wrong_arguments_are_refused_by_name(tmp_path: Path) -> None:
 
     with pytest.raises(AgentStoreCapabilityError, match="keeps no event ledger"):
         create_local_step_durability(store=create_agent_runtime_store(NoLedger()))
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def any_target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory"
+    if request.param == "sqlite":
+        return str(tmp_path / "threadline.db")
+    return str(request.getfixturevalue("pg_target"))
+
+
+@pytest.fixture
+def pg_target(postgres_dsn: str, schema: str) -> str:
+    return f"{postgres_dsn}#{schema}"
+
+
+@pytest.fixture
+async def any_store(any_target: str) -> AsyncIterator[Any]:
+    if any_target == "memory":
+        store = create_memory_agent_runtime_store()
+        yield store
+        await store.aclose()
+        return
+    async with open_store(any_target) as handle:
+        yield handle.store
+
+
+async def test_proofs_and_intents_outlive_compaction_and_travel_in_an_archive(any_store: Any) -> None:
+    """A runtime's tools record a proof and leave a bare intent; after compaction of those turns and after
+    export → import into a fresh store, a durability reconstructed there returns the proof, reports the
+    intent uncertain or reconciles it, and never runs a body again."""
+    attempts: list[str] = []
+
+    @define_agent_tool
+    async def effect(ctx: AgentToolContext, name: str) -> str:
+        def body() -> str:
+            attempts.append(name)
+            if name == "lost":
+                raise ConnectionError("the outcome is unknown")  # leaves the intent bare
+            return f"done:{name}"
+
+        try:
+            return str(await ctx.step(name, body))
+        except ConnectionError:
+            return "unknown"
+
+    async def stream(messages: list[Any], info: AgentInfo) -> AsyncIterator[Any]:
+        last = messages[-1]
+        if isinstance(last, ModelRequest) and any(isinstance(p, ToolReturnPart) for p in last.parts):
+            yield "ok"
+            return
+        text = next(p.content for p in last.parts if getattr(p, "part_kind", "") == "user-prompt")
+        yield {0: DeltaToolCall(name="effect", json_args=f'{{"name": "{text}"}}', tool_call_id=f"call-{text}")}
+
+    registry = define_model_registry(models={"m": {"model": FunctionModel(stream_function=stream)}})
+    runtime = create_agent_runtime(
+        protocol=define_agent_protocol(context=Context),
+        store=any_store,
+        models={"resolve": lambda: registry.resolve("m")},
+        tools=[effect],
+        loop={"step_durability": create_local_step_durability(store=any_store)},
+    )
+    runs = {}
+    try:
+        for name in ("kept", "lost", "later"):
+            ticket = runtime.submit(
+                conversation_id="c", idempotency_key=name, context={}, parts=[{"type": "text", "text": name}]
+            )
+            runs[name] = (await asyncio.wait_for(ticket.result, GUARD)).run.id
+    finally:
+        await runtime.close()
+    assert attempts == ["kept", "lost", "later"]
+    snapshot = await any_store.load_snapshot(conversation_id="c")
+    first_turns = [m.id for m in snapshot.messages if m.run_id in (runs["kept"], runs["lost"])]
+    await any_store.replace_compacted_range(
+        conversation_id="c",
+        expected_version=snapshot.version,
+        replaced_message_ids=first_turns,
+        summary={"id": "summary-1", "role": "summary", "parts": [{"type": "text", "text": "two effects"}]},
+    )
+    assert all(m.id not in first_turns for m in (await any_store.load_snapshot(conversation_id="c")).messages)
+
+    async def outcomes(store: Any) -> None:
+        durability = create_local_step_durability(store=store)
+        assert await run_agent_step(durability, "c", runs["kept"], "kept", never) == "done:kept"
+        assert await run_agent_step(durability, "c", runs["later"], "later", never) == "done:later"
+        with pytest.raises(AgentStepUncertainError):
+            await run_agent_step(durability, "c", runs["lost"], "lost", never)
+
+    await outcomes(any_store)  # compaction took the messages, not the steps
+    archive = await any_store.export_conversation("c")
+    fresh = create_memory_agent_runtime_store()
+    await fresh.import_conversation(archive)
+    await outcomes(fresh)
+    settled = await run_agent_step(
+        create_local_step_durability(store=fresh), "c", runs["lost"], "lost", never, reconcile=lambda r: "found"
+    )
+    assert settled == "found" and attempts == ["kept", "lost", "later"]

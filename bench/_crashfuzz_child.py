@@ -628,13 +628,16 @@ def build_runtime(
         protocol=define_agent_protocol(context=Context),
         store=store,
         models={"preflight": lambda: registry.preflight("m"), "resolve": lambda: registry.resolve("m")},
-        tools=[make_tool(hooks, spec.path / "effects.log", spec.tool == "step")],
+        tools=[make_tool(hooks, spec.path / "effects.log", spec.tool in ("step", "ledger-step"))],
         runs={"input_policy": policy_of, "coalesce_pending": scenario.coalesce, "owner_id": owner},
         loop=loop,
     )
 
 
-def open_ledger(spec: Spec) -> Any:
+def open_ledger(spec: Spec, store: AgentRuntimeStore) -> Any:
+    """``--tool step``: the steps in their own SQLite file; ``ledger-step``: in the store's event ledger."""
+    if spec.tool == "ledger-step":
+        return create_local_step_durability(store=store)
     return create_local_step_durability(spec.path / "steps.db") if spec.tool == "step" else None
 
 
@@ -805,7 +808,7 @@ async def run_child(spec: Spec, scenario: Scenario, kill_at: int | None) -> dict
     tracer = Tracer(spec.path / "trace.log", kill_at)
     handle, store, driver = await open_store(spec, tracer)
     assert driver is not None
-    ledger = open_ledger(spec)
+    ledger = open_ledger(spec, store)
     hooks = ChildHooks(tracer)
     runtime = build_runtime(store, hooks, scenario, spec, "child", ledger)
     feed = hooks.feed = Feed(runtime, scenario, spec.path / "journal.log")
@@ -879,7 +882,7 @@ async def recover_child(spec: Spec, scenario: Scenario, kill_at: int | None, pol
     for snapshot in (await snapshots(store, scenario)).values():
         names.learn_snapshot(snapshot)
     instrument(store, driver, names)
-    ledger = open_ledger(spec)
+    ledger = open_ledger(spec, store)
     runtime = build_runtime(store, TracedHooks(tracer), scenario, spec, "recoverer", ledger)
     errors: list[str] = []
     decision = RECOVERY[policy]
@@ -927,7 +930,7 @@ async def check_point(spec: Spec, scenario: Scenario, policy: str, killed_at: st
     for conflict in journal.conflicts:
         found.add("admitted-once", conflict)
     handle, store, _ = await open_store(spec)
-    ledger = open_ledger(spec)
+    ledger = open_ledger(spec, store)
     try:
         crashed = await snapshots(store, scenario)
         check_integrity(crashed, "crash state", found)

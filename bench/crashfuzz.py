@@ -1,7 +1,8 @@
 """A seeded SIGKILL fuzzer for threadline: random kill points over startup, active runs and recovery.
 
     .venv/bin/python bench/crashfuzz.py [--seed S] [--points N] [--start I] [--store sqlite|postgres]
-                                        [--tool direct|step] [--jobs J] [--json out.json] [--keep]
+                                        [--tool direct|step|ledger-step] [--jobs J] [--json out.json]
+                                        [--keep]
                                         [--dsn postgresql://…] [--show N]
 
 Point ``i`` (``--start`` .. ``--start + --points - 1``) draws its scenario and kill points from
@@ -71,7 +72,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--points", type=int, default=100)
     parser.add_argument("--start", type=int, default=0, help="index of the first point (reproduce one with --points 1)")
     parser.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite")
-    parser.add_argument("--tool", choices=("direct", "step"), default="direct")
+    parser.add_argument("--tool", choices=("direct", "step", "ledger-step"), default="direct")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", dest="json_out", help="write every point's result and the summary here")
     parser.add_argument("--keep", action="store_true", help="keep each point's files (and PostgreSQL schemas)")

@@ -151,6 +151,7 @@ if TYPE_CHECKING:
         AgentModelRegistry as AgentModelRegistry,
         AgentModelUnavailableError as AgentModelUnavailableError,
         define_model_registry as define_model_registry,
+        openrouter_response_provider as openrouter_response_provider,
     )
     from .protocol import (
         AgentProtocol as AgentProtocol,
@@ -342,6 +343,7 @@ _EXPORTS: dict[str, str] = {
     "AgentModelRegistry": ".models",
     "AgentModelUnavailableError": ".models",
     "define_model_registry": ".models",
+    "openrouter_response_provider": ".models",
     "AgentProtocol": ".protocol",
     "TerminalCandidate": ".protocol",
     "define_agent_protocol": ".protocol",
@@ -592,6 +594,7 @@ __all__ = [
     "estimate_tool_schema_tokens",
     "export_event_json_schemas",
     "export_json_schemas",
+    "openrouter_response_provider",
     "order_recoverable",
     "project_agent_history",
     "project_agent_history_detailed",

@@ -20,9 +20,11 @@ loop's thread — put blocking work in ``asyncio.to_thread`` — and may return 
 ``lambda: client.post(...)`` does).
 
 **The ledger.** :func:`create_local_step_durability` keys records by ``(conversation_id, run_id,
-effect_name)``. Before the body runs, an *intent* is committed; after it returns, the *accepted proof* (the
-JSON value). A later call with the same key — typically the same tool running again after the run was
-requeued following a crash — never runs the body again:
+effect_name)``. They live in process memory, in their own SQLite file, or — with ``store=`` — in the
+conversation store's event ledger, as ``durability/effect`` events (below). Before the body runs, an
+*intent* is committed; after it returns, the *accepted proof* (the JSON value). A later call with the
+same key — typically the same tool running again after the run was requeued following a crash — never
+runs the body again:
 
 - accepted proof → the proof is returned (a detached copy);
 - bare intent (the process died, the body raised, was cancelled, or returned a refused value) → the
@@ -38,10 +40,25 @@ identity, e.g. the order id, when one tool may run several distinct effects). Wi
 object, concurrent calls with the same key wait for the first to finish and then see its record; two
 processes sharing one SQLite file race only on the intent (an atomic insert): the loser sees a bare intent.
 
-These records are not conversation history. They live outside the message store (in process memory or
-in their own SQLite file), so compaction of the conversation never touches them: an intent (hence an
-uncertain outcome) and a proof stay available after history is compacted.
-:meth:`LocalStepDurability.purge` removes a conversation's records when the conversation is purged.
+These records are not conversation history: compaction of the conversation never touches them, so an
+intent (hence an uncertain outcome) and a proof stay available after history is compacted.
+
+**In the conversation's ledger** (``create_local_step_durability(store=store)``, any store whose driver
+keeps the ledger: memory, SQLite, PostgreSQL): the intent is a ``durability/effect`` event committed
+before the body runs, the proof another committed after it, each in one write transaction of the store,
+found by its key through the ledger's lookup index (constant work, whatever the conversation's length).
+Being ledger events they travel with the conversation: an archive (``export_conversation``) carries them,
+and after ``import_conversation`` into another store a durability built on that store returns the accepted
+proof, reconciles the bare intent or reports it uncertain, exactly as before — without running the body.
+A branch keeps them only as inert observations: the new conversation inherits no proof. Purging the
+conversation (``purge_conversation``) removes them with it. Every process using the store shares the
+records: the claim is serialized with the conversation's other writes, and a second claimant of a key sees
+the first one's intent. Give the runtime this durability
+(``loop={"step_durability": create_local_step_durability(store=handle.store)}``) and every ``ctx.step``
+of its tools is recorded beside the conversation.
+
+With the memory or file form, :meth:`LocalStepDurability.purge` removes a conversation's records when the
+conversation is purged.
 
 **Without durability** (no ledger given to the runtime), ``ctx.step`` still runs the body, enforces
 lossless JSON and returns a detached copy, but records nothing: calling it again runs the body again, and
@@ -68,17 +85,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from .errors import (
     AgentRuntimeUsageError,
     AgentStoreBusyError,
+    AgentStoreCapabilityError,
     AgentStoreCorruptRecordError,
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
     AppError,
 )
 from .jsonvalue import LosslessJsonError, lossless_json
+
+if TYPE_CHECKING:
+    from .store.aggregate import AgentRuntimeStore
 
 __all__ = [
     "STEP_EFFECTS_TABLE",
@@ -461,25 +482,94 @@ class _SqliteLedger:
             conn.close()
 
 
+class _StoreLedger:
+    """Records as ``durability/effect`` events in the conversation store's ledger
+    (:mod:`threadline.store.effects`). Every method is one store transaction, committed when it returns."""
+
+    def __init__(self, store: AgentRuntimeStore) -> None:
+        self.store = store
+
+    @staticmethod
+    def _row(effect: Any) -> _Row:
+        intent, accepted = effect.intent, effect.accepted
+        opened = intent if intent is not None else accepted
+        if accepted is None:
+            return ("intent", None, opened.occurred_at.isoformat(), None, 0)
+        payload = accepted.payload if isinstance(accepted.payload, dict) else {}
+        return (
+            "accepted",
+            payload.get("value_json"),
+            opened.occurred_at.isoformat(),
+            accepted.occurred_at.isoformat(),
+            int(bool(payload.get("reconciled"))),
+        )
+
+    async def claim(self, keys: tuple[AgentStepKey, ...], now: str) -> tuple[AgentStepKey, _Row] | None:
+        from .store.effects import claim_step_effect
+
+        cid, name = keys[0].conversation_id, keys[0].effect_name
+        found = await claim_step_effect(
+            self.store, conversation_id=cid, run_ids=[k.run_id for k in keys], effect_name=name
+        )
+        return None if found is None else (AgentStepKey(cid, found.run_id, name), self._row(found))
+
+    async def accept(self, keys: tuple[AgentStepKey, ...], text: str, now: str, reconciled: bool) -> _Row | None:
+        from .store.effects import accept_step_effect
+
+        found = await accept_step_effect(
+            self.store,
+            conversation_id=keys[0].conversation_id,
+            run_ids=[k.run_id for k in keys],
+            effect_name=keys[0].effect_name,
+            value_json=text,
+            reconciled=reconciled,
+        )
+        return None if found is None else self._row(found)
+
+    async def read(self, key: AgentStepKey) -> _Row | None:
+        from .store.effects import read_step_effect
+
+        found = await read_step_effect(
+            self.store, conversation_id=key.conversation_id, run_id=key.run_id, effect_name=key.effect_name
+        )
+        return None if found is None else self._row(found)
+
+    def purge(self, conversation_id: str) -> int:
+        return 0  # ledger events leave only with the conversation (purge_conversation)
+
+    def close(self) -> None:
+        pass  # the store is the application's to close
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
 class LocalStepDurability:
-    """The step ledger of :func:`create_local_step_durability`: process memory or one SQLite file.
+    """The step ledger of :func:`create_local_step_durability`: process memory, one SQLite file, or the
+    conversation store's event ledger.
 
     Give it to the runtime (every tool call's ``ctx.step`` then goes through it), or call :meth:`step`
     directly. Also an async context manager that closes it.
     """
 
     def __init__(
-        self, filename: str | os.PathLike[str] | None = None, *, synchronous: str = "NORMAL", busy_timeout: float = 5.0
+        self,
+        filename: str | os.PathLike[str] | None = None,
+        *,
+        store: AgentRuntimeStore | None = None,
+        synchronous: str = "NORMAL",
+        busy_timeout: float = 5.0,
     ) -> None:
         self.filename = os.fspath(filename) if filename is not None else None
+        self.store = store
         self._inflight: dict[AgentStepKey, asyncio.Future[None]] = {}
         self._closed = False
         self._executor: ThreadPoolExecutor | None = None
-        self._ledger: _MemoryLedger | _SqliteLedger
+        self._ledger: _MemoryLedger | _SqliteLedger | _StoreLedger
+        if store is not None:
+            self._ledger = _StoreLedger(_ledger_store(store, filename))
+            return
         if self.filename is None:
             self._ledger = _MemoryLedger()
             return
@@ -498,7 +588,8 @@ class LocalStepDurability:
         if self._closed:
             raise AgentStoreUnavailableError("the step ledger is closed")
         if self._executor is None:
-            return fn(*args)
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result  # the store's are coroutines
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _record(self, key: AgentStepKey, row: _Row) -> AgentStepRecord:
@@ -607,6 +698,8 @@ class LocalStepDurability:
     async def purge(self, conversation_id: str) -> int:
         """Delete every record of the conversation (call it when the conversation is purged); returns how
         many were deleted. A step of that conversation still in flight returns its value, unrecorded.
+        With ``store=`` the records are the conversation's ledger events: the store's
+        ``purge_conversation`` removes them with the conversation, and this deletes nothing (returns 0).
 
         Cancellation: the delete is one transaction; cancelled before it starts, nothing is deleted.
         """
@@ -640,19 +733,44 @@ class LocalStepDurability:
         await self.close()
 
 
+def _ledger_store(store: Any, filename: object) -> AgentRuntimeStore:
+    from .store.aggregate import AgentRuntimeStore
+
+    if filename is not None:
+        raise AgentRuntimeUsageError("give create_local_step_durability a filename or a store, not both")
+    if not isinstance(store, AgentRuntimeStore):
+        raise AgentRuntimeUsageError(
+            "store is an AgentRuntimeStore (for SQLite and PostgreSQL: the handle's .store), "
+            f"got {type(store).__name__}"
+        )
+    if not store.ledger:
+        raise AgentStoreCapabilityError(
+            "ledger",
+            f"the store's driver ({type(store.driver).__name__}) keeps no event ledger, so it cannot keep durable "
+            "steps; use create_local_step_durability(filename) instead",
+        )
+    return store
+
+
 def create_local_step_durability(
     filename: str | os.PathLike[str] | None = None,
     *,
+    store: AgentRuntimeStore | None = None,
     synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
     busy_timeout: float = 5.0,
 ) -> LocalStepDurability:
     """A step ledger keyed by ``(conversation_id, run_id, effect_name)``.
 
-    ``filename=None``: process-local memory (lost with the process; replays within it). A filename: its
-    own SQLite file (WAL, table ``threadline_step_effects``; not the runtime store's file, which is
-    refused), opened here on the ledger's dedicated thread; every write commits before ``step`` proceeds.
-    ``synchronous='NORMAL'`` survives process crashes, ``'FULL'`` also power loss. ``busy_timeout``
-    (seconds) bounds the wait for another process's write lock, then
+    ``store=``: the conversation store's own event ledger (``durability/effect`` events; the store's
+    durability, and its processes, are the records'): they survive compaction, travel with export and
+    import, and leave with ``purge_conversation``. A store whose driver keeps no ledger is refused
+    (:class:`~threadline.errors.AgentStoreCapabilityError`). Closing the durability leaves the store open.
+
+    ``filename=None`` (and no store): process-local memory (lost with the process; replays within it). A
+    filename: its own SQLite file (WAL, table ``threadline_step_effects``; not the runtime store's file,
+    which is refused), opened here on the ledger's dedicated thread; every write commits before ``step``
+    proceeds. ``synchronous='NORMAL'`` survives process crashes, ``'FULL'`` also power loss.
+    ``busy_timeout`` (seconds) bounds the wait for another process's write lock, then
     :class:`~threadline.errors.AgentStoreBusyError`.
     """
-    return LocalStepDurability(filename, synchronous=synchronous, busy_timeout=busy_timeout)
+    return LocalStepDurability(filename, store=store, synchronous=synchronous, busy_timeout=busy_timeout)

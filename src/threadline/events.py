@@ -293,8 +293,8 @@ def agent_operator_event_id(
 
 
 class AgentProviderResponse(BaseModel):
-    """The identity a provider gave one response; ``provider`` is the upstream that served it when a
-    gateway says so (OpenRouter's ``downstream_provider``), else the provider name."""
+    """The identity a provider gave one response; ``provider`` is the upstream that served it when the
+    model's ``resolve_response_provider`` names one (:mod:`threadline.models`), else absent."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -302,14 +302,12 @@ class AgentProviderResponse(BaseModel):
     provider: str | None = None
 
     @classmethod
-    def from_response(cls, response: Any) -> AgentProviderResponse | None:
-        """From a pydantic-ai ``ModelResponse``; None when the provider returned no response id."""
+    def from_response(cls, response: Any, *, provider: str | None = None) -> AgentProviderResponse | None:
+        """From a pydantic-ai ``ModelResponse`` and the provider name its model's resolver gave (the runtime
+        reads no gateway metadata itself); None when the provider returned no response id."""
         response_id = getattr(response, "provider_response_id", None)
         if not response_id:
             return None
-        details = getattr(response, "provider_details", None) or {}
-        upstream = details.get("downstream_provider")
-        provider = upstream if isinstance(upstream, str) and upstream else getattr(response, "provider_name", None)
         return cls(id=response_id, provider=provider or None)
 
 

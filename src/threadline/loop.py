@@ -89,7 +89,7 @@ from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
 from .ledger.digests import PrefixDigests
 from .ledger.requests import provider_request_records
-from .models import AgentModelDescriptor
+from .models import AgentModelDescriptor, response_provider
 from .output import AgentOutput, OutputJudgement
 from .protocol import AgentProtocol
 from .records import (
@@ -1396,8 +1396,8 @@ class _Execution:
             # the first-output phase as a record: only its events need one (its time is in the completion)
             publishing = env.publishing or env.operator_publishing
             first = _first_output(operation, first_at) if first_at is not None and publishing else None
-            self._step_finished(step, ctx.model, response, first)
-            self._record_response(step, response)
+            identity = self._step_finished(step, ctx.model, response, first)
+            self._record_response(step, identity)
             produced = self._unique_call_ids(canonical_parts(response, ctx.model.provider_name))
             # step finish: the response and the request's completion in one commit
             completed = evolve(operation, {"phase": "completed", "finished_at": _now(), "first_output_at": first_at})
@@ -1537,9 +1537,8 @@ class _Execution:
         )
         self.owned.attach(events, committed)
 
-    def _record_response(self, step: int, response: ModelResponse) -> None:
+    def _record_response(self, step: int, identity: AgentProviderResponse | None) -> None:
         """Attach the completed response's identity (``provider/response``) to the run's next commit."""
-        identity = AgentProviderResponse.from_response(response)
         if identity is None:
             return
         payload = {"run_id": self.run.id, "attempt": self.attempt, "step_number": step}
@@ -1548,10 +1547,16 @@ class _Execution:
 
     def _step_finished(
         self, step: int, model: AgentModelDescriptor, response: ModelResponse | None, first: RunOperation | None = None
-    ) -> None:
-        """Operator event: what this provider call reported (its own figures, not a sum)."""
+    ) -> AgentProviderResponse | None:
+        """Operator event: what this provider call reported (its own figures, not a sum). Returns the
+        response's identity, its provider named by the model's ``resolve_response_provider``."""
+        identity = (
+            AgentProviderResponse.from_response(response, provider=response_provider(model, response))
+            if response is not None
+            else None
+        )
         if not self.env.operator_publishing:
-            return
+            return identity
         ttft = None
         if first is not None and first.first_output_at is not None:
             ttft = max(0.0, (first.first_output_at - first.started_at).total_seconds())
@@ -1566,11 +1571,12 @@ class _Execution:
                 step=step,
                 attempt=self.attempt,
                 usage=self._step_usage if self._step_usage is not None else AgentUsage.unreported(),
-                response=AgentProviderResponse.from_response(response) if response is not None else None,
+                response=identity,
                 finish_reason=response.finish_reason if response is not None else None,
                 ttft=ttft,
             )
         )
+        return identity
 
     async def _renew_lease(self) -> None:
         """Keep the lease alive while executing; losing the run stops the loop (the next write fails)."""

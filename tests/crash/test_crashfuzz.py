@@ -6,8 +6,9 @@ hold — every journaled key admitted once, every run terminal and every input a
 parent's recovery, durable queue order, store integrity — and that nothing hung or failed outside them.
 — and the live-runtime invariant: a runtime that was never killed leaves nothing it admitted queued. Tool
 effects applied more than once are figures for a tool that applies its effect directly (at-least-once is
-documented) and are noted in the crash-suite summary; with durable steps (``--tool step``) a logical
-effect is applied at most once, across requeues and across the runs an injected input joined.
+documented) and are noted in the crash-suite summary; with durable steps (``--tool step``: their own
+SQLite file; ``--tool ledger-step``: the store's event ledger) a logical effect is applied at most once,
+across requeues and across the runs an injected input joined.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def check(report: dict[str, Any], points: int, notes: list[str]) -> None:
     extra = summary["effects_extra"]
     assert sum(extra.values()) == summary["effects_applied"] - summary["effects_distinct"]
     args = report["args"]
-    if args["tool"] == "step":
+    if args["tool"] in ("step", "ledger-step"):
         assert sum(extra.values()) == 0, f"a durable step's effect was applied more than once: {extra}"
     notes.append(
         f"crashfuzz {args['store']}/{args['tool']} seed={args['seed']} points={points}: "
@@ -80,7 +81,7 @@ def check(report: dict[str, Any], points: int, notes: list[str]) -> None:
     )
 
 
-@pytest.mark.parametrize("tool", ["direct", "step"])
+@pytest.mark.parametrize("tool", ["direct", "step", "ledger-step"])
 def test_crashfuzz_sqlite(tool: str, tmp_path: Path, crash_notes: list[str]) -> None:
     report = run_fuzzer(tmp_path, "--seed", "7", "--points", "8", "--tool", tool)
     check(report, 8, crash_notes)

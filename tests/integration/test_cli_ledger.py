@@ -132,3 +132,20 @@ def test_follow_prints_events_as_they_are_appended(tmp_path: Path) -> None:
         finally:
             follower.kill()
             follower.communicate(timeout=30)
+
+
+def test_inspect_events_summarizes_durable_steps(tmp_path: Path) -> None:
+    from threadline.durability import create_local_step_durability, run_agent_step
+
+    db = tmp_path / "steps.db"
+
+    async def record() -> None:
+        async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+            durability = create_local_step_durability(store=sqlite.store)
+            await run_agent_step(durability, "c1", "run-1", "send-mail", lambda: {"sent": True})
+
+    asyncio.run(record())
+    table = cli("inspect", "events", "--db", str(db), "--conversation", "c1")
+    assert table.returncode == 0, table.stderr
+    assert b"run run-1 step 'send-mail' intent" in table.stdout
+    assert b"run run-1 step 'send-mail' accepted" in table.stdout

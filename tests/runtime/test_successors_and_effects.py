@@ -262,11 +262,13 @@ async def test_a_run_requeued_during_its_tool_call_replays_that_step(store: Any)
 # ------------------------------------------------------------ inject: a step stands for the joined input
 
 
+@pytest.mark.parametrize("kept", ["memory", "ledger"])
 async def test_a_durable_step_runs_once_for_an_injected_input_whose_absorbing_run_was_interrupted(
-    store: Any,
+    store: Any, kept: str
 ) -> None:
     """Run A takes B's injected input and calls a durable step on its behalf; A is then interrupted, so B's
-    own run answers B and calls the same step: it gets A's proof and the body does not run again."""
+    own run answers B and calls the same step: it gets A's proof and the body does not run again. The same
+    with the steps kept in process memory and in the conversation's ledger."""
     charges: list[str] = []
     paused = asyncio.Event()
     b_admitted = asyncio.Event()
@@ -298,7 +300,7 @@ async def test_a_durable_step_runs_once_for_an_injected_input_whose_absorbing_ru
             yield f"charged for: {text}"
 
     script = Script(handler)
-    durability = create_local_step_durability()
+    durability = create_local_step_durability(store=store) if kept == "ledger" else create_local_step_durability()
     runtime = make_runtime(
         store, script, tools=[charge, look], runs={"input_policy": "inject"}, loop={"step_durability": durability}
     )
@@ -317,6 +319,10 @@ async def test_a_durable_step_runs_once_for_an_injected_input_whose_absorbing_ru
     assert charges == ["charged"], "B's own run got A's proof: the charge ran once"
     record = await durability.read("c1", b.id, "charge:order-7")
     assert record is not None and record.value == "receipt-1"
+    if kept == "ledger":  # A's intent and proof stand for B too, in the conversation's own journal
+        page = await store.read_events(conversation_id="c1")
+        steps = [(e.payload["run_id"], e.payload["status"]) for e in page.items if e.kind == "durability/effect"]
+        assert steps == [(a.id, "intent"), (b.id, "intent"), (a.id, "accepted"), (b.id, "accepted")]
     await runtime.close()
     await durability.close()
 

@@ -260,19 +260,21 @@ def test_terminal_event_requires_usage():
         )
 
 
-def test_provider_response_identity_from_a_model_response():
+def test_provider_response_identity_names_only_the_provider_it_is_given():
     from pydantic_ai.messages import ModelResponse
 
-    plain = ModelResponse(parts=[], provider_name="openai", provider_response_id="chatcmpl-1")
-    assert AgentProviderResponse.from_response(plain) == AgentProviderResponse(id="chatcmpl-1", provider="openai")
+    # the runtime reads no gateway key: a response naming its upstream in provider_details stays unnamed
     routed = ModelResponse(
         parts=[],
         provider_name="openrouter",
         provider_response_id="gen-1",
         provider_details={"downstream_provider": "Anthropic"},
     )
-    assert AgentProviderResponse.from_response(routed) == AgentProviderResponse(id="gen-1", provider="Anthropic")
-    assert AgentProviderResponse.from_response(ModelResponse(parts=[])) is None
+    assert AgentProviderResponse.from_response(routed) == AgentProviderResponse(id="gen-1")
+    assert AgentProviderResponse.from_response(routed, provider="Anthropic") == AgentProviderResponse(
+        id="gen-1", provider="Anthropic"
+    )
+    assert AgentProviderResponse.from_response(ModelResponse(parts=[]), provider="x") is None
 
 
 def test_describe_internal_cause_follows_the_chain():

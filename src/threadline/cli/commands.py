@@ -67,8 +67,9 @@ def _reported() -> Iterator[None]:
     """Turn threadline's typed errors into one ``error:`` line and exit status 2; Ctrl-C into 130. The
     library's own log lines (a refused import, say) are not printed besides: the ``error:`` line says it."""
     quiet = logging.getLogger("threadline")
-    if not quiet.handlers:
-        quiet.addHandler(logging.NullHandler())
+    silencer = None if quiet.handlers else logging.NullHandler()
+    if silencer is not None:  # for this command only: a program calling it in-process keeps its logging
+        quiet.addHandler(silencer)
     try:
         yield
     except ThreadlineError as error:
@@ -79,6 +80,9 @@ def _reported() -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(1) from None
+    finally:
+        if silencer is not None:
+            quiet.removeHandler(silencer)
 
 
 DbOption = Annotated[

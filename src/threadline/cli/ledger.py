@@ -53,7 +53,11 @@ def _summary(event: AgentStoreEvent) -> str:
         return f"body {p.get('sha256', '')}"
     if kind == "provider/response":
         response = p.get("response", {})
-        return f"run {p.get('run_id', '')} step {p.get('step_number')}: {response.get('id')}"
+        served = f" ({response['provider']})" if response.get("provider") else ""
+        return f"run {p.get('run_id', '')} step {p.get('step_number')}: {response.get('id')}{served}"
+    if kind == "durability/effect":
+        reconciled = " (reconciled)" if p.get("reconciled") else ""
+        return f"run {p.get('run_id', '')} step {p.get('effect_name')!r} {p.get('status')}{reconciled}"
     if kind == "runtime/baseline":
         return f"{len(p.get('messages', []))} messages, {len(p.get('runs', []))} runs as of {p.get('as_of')}"
     return json.dumps(p, ensure_ascii=False)

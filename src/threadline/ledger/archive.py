@@ -12,8 +12,9 @@ RFC 8785 canonical form (the ``rfc8785`` package), UTF-8::
 Canonical form makes an archive a function of its content: export → import → export gives the same
 bytes on every driver. ``sha256`` catches an archive changed by hand or damaged in transit (it is not a
 signature: anyone can recompute it). :func:`decode_archive` checks what needs no store — size, encoding,
-canonical form, digest, format, one conversation, contiguous ``seq`` from 1, unique event ids, known kinds
-and typed payloads, records that parse — and raises :class:`~threadline.errors.AgentArchiveRejectedError`
+canonical form, digest, format, one conversation, contiguous ``seq`` from 1, unique event ids (and lookup
+keys: one body per digest, one intent and one proof per durable step), known kinds and typed payloads,
+records that parse — and raises :class:`~threadline.errors.AgentArchiveRejectedError`
 naming the offence. Agreement between the events and the snapshot is the store's check
 (:mod:`threadline.store.replay`).
 
@@ -35,7 +36,7 @@ from pydantic_core import to_jsonable_python
 
 from ..errors import AgentArchiveRejectedError, AgentRecordValidationError
 from ..records import STORAGE, AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
-from .events import AgentStoreEvent, decode_agent_store_event
+from .events import AgentStoreEvent, decode_agent_store_event, event_key
 
 __all__ = [
     "ARCHIVE_FORMAT",
@@ -83,9 +84,16 @@ def _record_json(record: BaseModel) -> Any:
     return to_jsonable_python(record, context=STORAGE)
 
 
+def _object(members: dict[str, bytes]) -> bytes:
+    """The RFC 8785 form of a top-level object whose member values are canonical already (each encoded by
+    ``rfc8785`` once): its members sorted by name (ASCII names: code-unit order is byte order)."""
+    return b"{" + b",".join(b'"%s":%s' % (name.encode(), members[name]) for name in sorted(members)) + b"}"
+
+
 def encode_archive(content: ArchiveContent) -> bytes:
-    """The archive bytes of ``content`` (canonical: equal content, equal bytes)."""
-    body = {
+    """The archive bytes of ``content`` (canonical: equal content, equal bytes). Each member is encoded
+    once: the digest covers the object of the others, and the archive adds ``sha256`` to it."""
+    members = {
         "format": ARCHIVE_FORMAT,
         "format_version": ARCHIVE_FORMAT_VERSION,
         "conversation_id": content.conversation_id,
@@ -100,8 +108,9 @@ def encode_archive(content: ArchiveContent) -> bytes:
         "projections": [to_jsonable_python(p) for p in content.projections],
         "spills": [],
     }
-    body["sha256"] = hashlib.sha256(rfc8785.dumps(body)).hexdigest()
-    return rfc8785.dumps(body)
+    encoded = {name: rfc8785.dumps(value) for name, value in members.items()}
+    encoded["sha256"] = rfc8785.dumps(hashlib.sha256(_object(encoded)).hexdigest())
+    return _object(encoded)
 
 
 def _reject(code: str, message: str, where: str | None = None) -> AgentArchiveRejectedError:
@@ -135,15 +144,17 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
             f"format {value['format']!r} version {value['format_version']!r}; this threadline reads "
             f"{ARCHIVE_FORMAT!r} version {ARCHIVE_FORMAT_VERSION}",
         )
-    try:
-        canonical = rfc8785.dumps(value)
+    try:  # every member encoded once: the canonical check and the digest share the bytes
+        encoded = {name: rfc8785.dumps(member) for name, member in value.items()}
     except Exception as error:  # a number or string RFC 8785 cannot represent
         raise _reject("ARCHIVE_MALFORMED", f"not canonical JSON: {error}") from None
-    if canonical != data:
+    if _object(encoded) != data:
         raise _reject("ARCHIVE_MALFORMED", "not in RFC 8785 canonical form: it was re-encoded or edited")
     claimed = value.pop("sha256")
-    if hashlib.sha256(rfc8785.dumps(value)).hexdigest() != claimed:
+    del encoded["sha256"]
+    if hashlib.sha256(_object(encoded)).hexdigest() != claimed:
         raise _reject("ARCHIVE_DIGEST", "the content does not match its sha256: it was changed after export")
+    del encoded
     cid = value["conversation_id"]
     if not isinstance(cid, str) or not cid:
         raise _reject("ARCHIVE_FORMAT", "conversation_id is a non-empty string", "conversation_id")
@@ -156,6 +167,7 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
 
     events: list[AgentStoreEvent] = []
     ids: set[str] = set()
+    keys: set[str] = set()
     for index, raw in enumerate(value["events"]):
         where = f"events[{index}]"
         if isinstance(raw, dict) and raw.get("conversation_id") != cid:
@@ -170,6 +182,11 @@ def decode_archive(data: bytes, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> Archiv
         if event.event_id in ids:
             raise _reject("ARCHIVE_DUPLICATE_ID", f"event id {event.event_id!r} appears twice", where)
         ids.add(event.event_id)
+        key = event_key(event)
+        if key is not None:
+            if key in keys:  # a body written twice, a second intent or proof of one step
+                raise _reject("ARCHIVE_DUPLICATE_ID", f"a second {event.kind} under one key ({key})", where)
+            keys.add(key)
         events.append(event)
 
     snapshot = value["snapshot"]

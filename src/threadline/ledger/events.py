@@ -20,6 +20,7 @@ journal and every terminal stands on its own:
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeAlias, get_args
 
@@ -92,14 +93,17 @@ AgentStoreEventKind = Literal[
     "retry/started",
     "sandbox/probed",
     "approval/response-rejected",
-    "durability/step",
+    "durability/effect",
     "durability/park",
     "durability/event",
 ]
 AGENT_STORE_EVENT_KINDS: frozenset[str] = frozenset(get_args(AgentStoreEventKind))
 
 RUNTIME_KINDS = frozenset({"runtime/baseline", "runtime/transition", "runtime/branch-observation"})
-"""Kinds only the store writes (the reducer, migration and branch): ``append_event`` refuses them."""
+"""Kinds only the store writes (the reducer, migration and branch), never copied by a branch."""
+STORE_WRITTEN_KINDS = RUNTIME_KINDS | {"durability/effect"}
+"""Kinds ``append_event`` refuses: the store's own, and durable steps (written by their own store
+operations, which keep at most one intent and one proof per key)."""
 PROVIDER_KINDS = frozenset({"provider/request", "provider/response", "provider/message"})
 OBSERVED_KINDS = AGENT_STORE_EVENT_KINDS - RUNTIME_KINDS - PROVIDER_KINDS
 """Facts a branch keeps only as inert ``runtime/branch-observation`` records (state, spills, schedules,
@@ -454,11 +458,52 @@ class ApprovalResponseRejectedRecord(_Record):
     reason: str
 
 
-class DurabilityStepRecord(_Record):
+class DurabilityEffectRecord(_Record):
+    """A durable step (``ctx.step``, :mod:`threadline.durability`) of ``(conversation, run_id,
+    effect_name)``: its ``intent``, appended before the body ran, or its ``accepted`` proof, appended after.
+    ``value_json`` is the proof's lossless JSON as text (exact: a number no JSON reader may round, a
+    string as written); ``reconciled`` when ``reconcile`` rather than the body produced it. A key holds
+    at most one of each; a bare intent is an uncertain outcome."""
+
     run_id: str = Field(min_length=1)
     effect_name: str = Field(min_length=1)
-    status: Literal["intent", "accepted", "uncertain"]
+    status: Literal["intent", "accepted"]
+    value_json: str | None = None
     reconciled: bool = False
+
+    @model_validator(mode="after")
+    def _proof_has_a_value(self) -> DurabilityEffectRecord:
+        if (self.status == "accepted") != (self.value_json is not None):
+            raise ValueError("an accepted proof has value_json and an intent has none")
+        if self.value_json is not None:
+            try:
+                json.loads(self.value_json)
+            except (ValueError, RecursionError) as error:
+                raise ValueError(f"value_json is not JSON: {error}") from None
+        return self
+
+
+def durability_effect_key(run_id: str, effect_name: str, status: str) -> str:
+    """The ledger's lookup key of a step's ``intent`` or ``accepted`` event (indexed beside provider body
+    digests, which are bare hex: the ``status:`` prefix keeps the two apart)."""
+    key = json.dumps([run_id, effect_name], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return f"{status}:{hashlib.sha256(key).hexdigest()}"
+
+
+def event_key(event: AgentStoreEvent) -> str | None:
+    """The indexed lookup key of a ledger event: a ``provider/message`` body's ``sha256``, a
+    ``durability/effect``'s :func:`durability_effect_key`; None for every other event."""
+    payload = event.payload
+    if not isinstance(payload, dict):
+        return None
+    if event.kind == "provider/message":
+        sha = payload.get("sha256")
+        return sha if isinstance(sha, str) else None
+    if event.kind == "durability/effect":
+        run_id, name, status = payload.get("run_id"), payload.get("effect_name"), payload.get("status")
+        if isinstance(run_id, str) and isinstance(name, str) and status in ("intent", "accepted"):
+            return durability_effect_key(run_id, name, status)  # type: ignore[arg-type]
+    return None
 
 
 class _Open(BaseModel):
@@ -517,7 +562,7 @@ PAYLOAD_RECORDS: dict[str, Any] = {
     "retry/started": RetryStartedRecord,
     "sandbox/probed": OpenRecord,
     "approval/response-rejected": ApprovalResponseRejectedRecord,
-    "durability/step": DurabilityStepRecord,
+    "durability/effect": DurabilityEffectRecord,
     "durability/park": OpenRecord,
     "durability/event": OpenRecord,
 }

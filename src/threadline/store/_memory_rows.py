@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..ledger.events import AgentStoreEvent
+from ..ledger.events import AgentStoreEvent, event_key
 from ..records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
 from .driver import (
     HeadState,
@@ -14,12 +14,12 @@ from .driver import (
     LoadAllReceipts,
     LoadAllRuns,
     LoadAllSeeds,
+    LoadEventKeys,
     LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
-    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -47,7 +47,7 @@ class _Conversation:
     receipt_by_input: dict[str, str] = field(default_factory=dict)
     seeds: dict[str, SeedRecord] = field(default_factory=dict)
     events: list[AgentStoreEvent] = field(default_factory=list)  # events[k] has seq k + 1
-    bodies: dict[str, int] = field(default_factory=dict)  # provider/message digest -> seq
+    keys: dict[str, int] = field(default_factory=dict)  # event_key (provider/message digest, step key) -> seq
 
 
 class _Rows:
@@ -161,9 +161,9 @@ class _Rows:
         lo = max(r.from_seq, 1) - 1
         return conv.events[lo : min(r.to_seq, lo + r.limit)]
 
-    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+    def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]:
         conv = self._conv(r.conversation_id)
-        return [(sha, conv.bodies[sha]) for sha in dict.fromkeys(r.shas) if sha in conv.bodies] if conv else []
+        return [(key, conv.keys[key]) for key in dict.fromkeys(r.keys) if key in conv.keys] if conv else []
 
     def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]:
         conv = self._conv(r.conversation_id)
@@ -205,5 +205,7 @@ class _Rows:
                 # the reducer numbers events from the head: a gap or a repeat is a bug, never input
                 assert event.seq == len(conv.events) + 1, f"event seq {event.seq} after {len(conv.events)}"
                 conv.events.append(event)
-                if event.kind == "provider/message" and isinstance(event.payload, dict):
-                    conv.bodies.setdefault(str(event.payload.get("sha256")), event.seq)
+                key = event_key(event)
+                if key is not None:
+                    # a unique index in the database drivers; the reducer never writes a key twice
+                    assert conv.keys.setdefault(key, event.seq) == event.seq, f"event key {key} written twice"

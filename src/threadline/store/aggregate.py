@@ -18,7 +18,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError, AgentStoreCapabilityError
 from ..ledger.events import (
-    RUNTIME_KINDS,
+    STORE_WRITTEN_KINDS,
     AgentStoreEvent,
     AgentStoreEventDraft,
     AgentStoreEventPage,
@@ -97,9 +97,11 @@ def _draft(value: AgentStoreEventDraft | Mapping[str, Any], at: str) -> AgentSto
     """One declared ledger record, checked: a declared kind the store does not reserve, and a payload that
     is that kind's typed record (``at`` prefixes the field an error names)."""
     draft = _validated(AgentStoreEventDraft, value, at.rstrip("."))
-    if draft.kind in RUNTIME_KINDS:
+    if draft.kind in STORE_WRITTEN_KINDS:
         raise AgentRecordValidationError(
-            f"{at}kind {draft.kind!r} is written by the store itself; declare another kind", field=f"{at}kind"
+            f"{at}kind {draft.kind!r} is written by the store itself (durable steps: through "
+            "create_local_step_durability(store=...)); declare another kind",
+            field=f"{at}kind",
         )
     payload_record(draft.kind, draft.payload, where=f"{at}payload")
     return draft
@@ -174,7 +176,7 @@ class AgentRuntimeStore:
             raise AgentStoreCapabilityError(
                 "ledger",
                 f"the store's driver ({type(self.driver).__name__}) does not keep the event ledger; implement "
-                "its row primitives (load_events, load_provider_bodies, load_all_receipts, load_all_seeds, and "
+                "its row primitives (load_events, load_event_keys, load_all_receipts, load_all_seeds, and "
                 "the events of Write) and set driver.ledger = True",
             )
 

@@ -14,7 +14,6 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ..errors import AgentStoreCorruptRecordError
-from ..ledger.events import AgentStoreEvent
 from ..records import STORAGE, ConversationHead, Run, SeedRecord
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,14 +33,6 @@ def encode_with(record: BaseModel, field: str, body: str) -> str:
     input, written beside it): encoded once, spliced in (the field comes last; key order is not meaning)."""
     rest = type(record).__pydantic_serializer__.to_json(record, exclude={field}, context=STORAGE).decode()
     return f'{rest[:-1]},"{field}":{body}}}'
-
-
-def event_digest(event: AgentStoreEvent) -> str | None:
-    """The indexed digest of a ledger event: a ``provider/message`` body's ``sha256``, else None."""
-    if event.kind == "provider/message" and isinstance(event.payload, dict):
-        sha = event.payload.get("sha256")
-        return sha if isinstance(sha, str) else None
-    return None
 
 
 PACK_FROM = 96

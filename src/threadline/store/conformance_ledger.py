@@ -447,3 +447,144 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
         source={"kind": "archive", "bytes": archive, "through_run_id": c.run("t1")},
     )
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
+
+
+@_case("ledger_durable_steps")
+async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFactory) -> None:
+    """Durable steps kept in the ledger (what ``create_local_step_durability(store=)`` stands on,
+    :mod:`threadline.store.effects`): a claim commits an intent under every key or returns what a key
+    holds; a proof is committed once per key; keys are found with the same work at any conversation
+    length; intents and proofs survive compaction and export → import into another store; a branch keeps
+    them only as inert observations; applications cannot append them, and an archive with a second proof
+    of one key is refused."""
+    from .effects import accept_step_effect, claim_step_effect, read_step_effect
+
+    if await _absent(store):
+        await _raises(
+            AgentStoreCapabilityError,
+            "durable steps without a ledger",
+            read_step_effect,
+            store,
+            conversation_id="x",
+            run_id="r",
+            effect_name="e",
+        )
+        return
+    c = _Conv(store, "ledger-steps")
+    await c.turn("t1")
+    run, joined = c.run("t1"), c.run("t2")
+    proof = json.dumps({"refund": "R-7", "cents": 2**60})
+
+    async def claim(name: str, *run_ids: str) -> Any:
+        return await claim_step_effect(store, conversation_id=c.cid, run_ids=run_ids or (run,), effect_name=name)
+
+    async def accept(name: str, value: str, *run_ids: str, reconciled: bool = False) -> Any:
+        return await accept_step_effect(
+            store,
+            conversation_id=c.cid,
+            run_ids=run_ids or (run,),
+            effect_name=name,
+            value_json=value,
+            reconciled=reconciled,
+        )
+
+    _equal(await claim("refund:7"), None, "a new key is claimed")
+    intent = await claim("refund:7")
+    _expect(intent is not None and intent.accepted is None, "a second claim sees the bare intent")
+    _equal(await accept("refund:7", proof), None, "the proof is committed")
+    again = await accept("refund:7", "1")
+    _expect(again is not None and again.accepted is not None, "a second proof is not written")
+    _equal(again.accepted.payload["value_json"], proof, "the first proof stands")
+    _equal(await claim("mail:1"), None, "another effect: a bare intent is left")
+    _equal(await claim("ticket", run, joined), None, "one claim for a run and the run it joined")
+    _equal(await accept("ticket", '"T-1"', run, joined), None, "one proof for both")
+    held = await claim("ticket", joined)
+    _expect(held is not None and held.run_id == joined and held.accepted is not None, "the joined run's key")
+    events = await _journal(store, c.cid)
+    steps = [decode_agent_store_event(e)[1] for e in events if e.kind == "durability/effect"]
+    _equal(
+        [(s.run_id, s.effect_name, s.status) for s in steps],
+        [
+            (run, "refund:7", "intent"),
+            (run, "refund:7", "accepted"),
+            (run, "mail:1", "intent"),
+            (run, "ticket", "intent"),
+            (joined, "ticket", "intent"),
+            (run, "ticket", "accepted"),
+            (joined, "ticket", "accepted"),
+        ],
+        "intents before proofs, under every key",
+    )
+    error = await _raises(
+        AgentRecordValidationError,
+        "append a durability/effect",
+        store.append_event,
+        conversation_id=c.cid,
+        kind="durability/effect",
+        payload={"run_id": run, "effect_name": "forged", "status": "accepted", "value_json": "1"},
+    )
+    _equal(error.field, "kind", "durable steps are the store's to write")
+
+    async def claim_rows(name: str) -> int:  # a new key: its lookup and its intent
+        before = store.metrics["claim_step_effect"].rows_read
+        await claim(name)
+        return store.metrics["claim_step_effect"].rows_read - before
+
+    short = await claim_rows("short")
+    for n in range(2, 8):
+        await c.turn(f"t{n}")
+    _equal(await claim_rows("long"), short, "rows read by a claim do not grow with the conversation")
+    await c.compact(["t1:in", "t1:out", "t2:in", "t2:out"], "s1")
+
+    async def check(target: AgentRuntimeStore, where: str) -> None:
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=run, effect_name="refund:7")
+        _expect(found is not None and found.accepted is not None, f"{where}: the proof")
+        _equal(found.accepted.payload["value_json"], proof, f"{where}: the proof's value")
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=joined, effect_name="ticket")
+        _expect(found is not None and found.accepted is not None, f"{where}: the joined run's proof")
+        found = await read_step_effect(target, conversation_id=c.cid, run_id=run, effect_name="mail:1")
+        _expect(found is not None and found.intent is not None and found.accepted is None, f"{where}: bare intent")
+
+    await check(store, "after compaction")
+    data = await store.export_conversation(c.cid)
+    async with factory() as other:
+        await other.import_conversation(data)
+        await check(other, "after import")
+        held = await claim_step_effect(other, conversation_id=c.cid, run_ids=(run,), effect_name="mail:1")
+        _expect(held is not None and held.accepted is None, "after import: a claim finds the bare intent")
+        _equal(
+            await accept_step_effect(
+                other,
+                conversation_id=c.cid,
+                run_ids=(run,),
+                effect_name="mail:1",
+                value_json='"sent"',
+                reconciled=True,
+            ),
+            None,
+            "after import: the bare intent takes its (reconciled) proof",
+        )
+    await check(store, "the source, unchanged by the import's proof")
+
+    def second_proof(v: Any) -> None:  # a forged proof for a key that has one
+        first = next(
+            e for e in v["events"] if e["kind"] == "durability/effect" and e["payload"]["status"] == "accepted"
+        )
+        v["events"].append({**first, "event_id": "evt_forged", "seq": len(v["events"]) + 1})
+        v["snapshot"]["head"]["event_seq"] += 1
+
+    async with factory() as other:
+        error = await _raises(
+            AgentArchiveRejectedError, "a second proof", other.import_conversation, _tamper(data, second_proof)
+        )
+        _equal(error.code, "ARCHIVE_DUPLICATE_ID", "one intent and one proof per key")
+
+    copy = await store.branch_conversation(
+        request_key="steps",
+        destination_conversation_id="ledger-steps-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    copied = await _journal(store, copy.receipt.destination_conversation_id)
+    _expect(not any(e.kind == "durability/effect" for e in copied), "a branch inherits no durable step")
+    observed = [e.payload for e in copied if e.kind == "runtime/branch-observation"]
+    _expect(any(p["kind"] == "durability/effect" for p in observed), "... it keeps them as inert observations")

@@ -197,12 +197,13 @@ class LoadEvents:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadProviderBodies:
-    """-> ``(sha256, seq)`` of each digest among ``shas`` whose ``provider/message`` body the
-    conversation's ledger holds (an index on the body digest; never a scan of the journal)."""
+class LoadEventKeys:
+    """-> ``(key, seq)`` of each lookup key among ``keys`` that an event of the conversation's ledger holds
+    (:func:`threadline.ledger.events.event_key`: a ``provider/message`` body's digest, a durable step's
+    intent or proof); an index on the key, never a scan of the journal. A key names at most one event."""
 
     conversation_id: str
-    shas: tuple[str, ...]
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +278,7 @@ Request: TypeAlias = (
     | ScanActiveRuns
     | ListConversations
     | LoadEvents
-    | LoadProviderBodies
+    | LoadEventKeys
     | LoadAllReceipts
     | LoadAllSeeds
     | Write
@@ -311,7 +312,7 @@ class SyncRows(Protocol):
     def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
     def list_conversations(self, r: ListConversations) -> list[ConversationHead]: ...
     def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]: ...
-    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]: ...
+    def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]: ...
     def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]: ...
     def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]: ...
     def write(self, r: Write) -> None: ...
@@ -339,7 +340,7 @@ class AsyncRows(Protocol):
     async def scan_active_runs(self, r: ScanActiveRuns) -> list[Run]: ...
     async def list_conversations(self, r: ListConversations) -> list[ConversationHead]: ...
     async def load_events(self, r: LoadEvents) -> list[AgentStoreEvent]: ...
-    async def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]: ...
+    async def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]: ...
     async def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]: ...
     async def load_all_seeds(self, r: LoadAllSeeds) -> list[SeedRecord]: ...
     async def write(self, r: Write) -> None: ...
@@ -407,7 +408,7 @@ _SYNC_DISPATCH: dict[type, str] = {
     ScanActiveRuns: "scan_active_runs",
     ListConversations: "list_conversations",
     LoadEvents: "load_events",
-    LoadProviderBodies: "load_provider_bodies",
+    LoadEventKeys: "load_event_keys",
     LoadAllReceipts: "load_all_receipts",
     LoadAllSeeds: "load_all_seeds",
     Write: "write",

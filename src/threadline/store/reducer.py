@@ -35,7 +35,13 @@ from ..errors import (
     AgentRunStateConflictError,
     AgentStoreConflictError,
 )
-from ..ledger.events import AgentStoreEvent, AgentStoreEventDraft, AgentStoreEventPage, parts_digest
+from ..ledger.events import (
+    AgentStoreEvent,
+    AgentStoreEventDraft,
+    AgentStoreEventPage,
+    durability_effect_key,
+    parts_digest,
+)
 from ..records import (
     ACQUIRED_RUN_STATES,
     RUN_STATE_FOR_REASON,
@@ -66,12 +72,12 @@ from .driver import (
     LoadAllReceipts,
     LoadAllRuns,
     LoadAllSeeds,
+    LoadEventKeys,
     LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
-    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -321,7 +327,7 @@ def _declared(conversation_id: str, drafts: Sequence[AgentStoreEventDraft]) -> O
     if not drafts:
         return []
     shas = tuple(dict.fromkeys(d.payload["sha256"] for d in drafts if d.kind == "provider/message"))  # type: ignore[index,call-overload]
-    found: list[tuple[str, int]] = (yield LoadProviderBodies(conversation_id, shas)) if shas else []
+    found: list[tuple[str, int]] = (yield LoadEventKeys(conversation_id, shas)) if shas else []
     present = {sha for sha, _ in found}
     out = []
     for d in drafts:
@@ -334,7 +340,8 @@ def _declared(conversation_id: str, drafts: Sequence[AgentStoreEventDraft]) -> O
     return out
 
 
-def _new_head(conversation_id: str, now: Timestamp) -> ConversationHead:
+def new_head(conversation_id: str, now: Timestamp) -> ConversationHead:
+    """A conversation's head before its first transition (version 0, created ``now``)."""
     return ConversationHead(conversation_id=conversation_id, version=0, created_at=now, updated_at=now)
 
 
@@ -524,7 +531,7 @@ def accept_input_and_assign_run(
             f"input message id {input.id!r} already exists under another idempotency key; reuse that key or a new id",
             conversation_id=conversation_id,
         )
-    head = state.head or _new_head(conversation_id, now)
+    head = state.head or new_head(conversation_id, now)
     active: list[Run] = yield ListActiveRuns(conversation_id)
     target = None
     if coalesce and priority == "ordinary":
@@ -1297,7 +1304,7 @@ def seed_conversation_input(
         raise AgentIdempotencyConflictError(
             f"a seeded message id already exists in {conversation_id!r}", conversation_id=conversation_id
         )
-    head = state.head or _new_head(conversation_id, now)
+    head = state.head or new_head(conversation_id, now)
     seq, counter = head.message_seq, head.lead_position if placement == "lead" else head.settled_position
     messages = []
     for draft in inputs:
@@ -1557,16 +1564,119 @@ def append_event(
     written again; its first event is the answer."""
     state: HeadState = yield LoadHead(conversation_id)
     _not_purged(state, conversation_id)
-    head = state.head or _new_head(conversation_id, now)
+    at = occurred_at or now
+    head = state.head or new_head(conversation_id, at)  # created at its first event: a replay rebuilds it
     if draft.kind == "provider/message":
         sha = draft.payload["sha256"]  # type: ignore[index,call-overload]
-        found: list[tuple[str, int]] = yield LoadProviderBodies(conversation_id, (sha,))
+        found: list[tuple[str, int]] = yield LoadEventKeys(conversation_id, (sha,))
         if found:
             (existing,) = yield LoadEvents(conversation_id, found[0][1], found[0][1], 1)
             return existing
-    head, (event,) = _events(head, occurred_at or now, event_id, [(draft.kind, draft.payload, draft.ignorable)])
+    head, (event,) = _events(head, at, event_id, [(draft.kind, draft.payload, draft.ignorable)])
     yield Write(Mutation(head=head, events=(event,)))
     return event
+
+
+# ---------------------------------------------------------------------------------- durable steps
+
+
+@dataclass(frozen=True, slots=True)
+class StepEffect:
+    """A durable step's events under one key: its intent and, once accepted, its proof."""
+
+    run_id: str
+    intent: AgentStoreEvent | None
+    accepted: AgentStoreEvent | None
+
+
+def _effect_keys(run_ids: Sequence[str], effect_name: str) -> list[tuple[str, str, str]]:
+    """(run id, intent key, proof key) of each run id."""
+    return [
+        (r, durability_effect_key(r, effect_name, "intent"), durability_effect_key(r, effect_name, "accepted"))
+        for r in run_ids
+    ]
+
+
+def _found_keys(conversation_id: str, keys: list[tuple[str, str, str]]) -> Operation[dict[str, int]]:
+    """The seq of each of these keys the ledger holds: one indexed read, never a scan."""
+    found: list[tuple[str, int]] = yield LoadEventKeys(conversation_id, tuple(k for _, *pair in keys for k in pair))
+    return dict(found)
+
+
+def _step_effect(conversation_id: str, key: tuple[str, str, str], at: dict[str, int]) -> Operation[StepEffect | None]:
+    """The events of one key (at most two point reads), or None when it holds none."""
+    run_id, *pair = key
+    if not any(k in at for k in pair):
+        return None
+    events: list[AgentStoreEvent | None] = []
+    for k in pair:
+        seq = at.get(k)
+        events.append((yield LoadEvents(conversation_id, seq, seq, 1))[0] if seq is not None else None)
+    return StepEffect(run_id, events[0], events[1])
+
+
+def claim_step_effect(
+    *, conversation_id: str, run_ids: Sequence[str], effect_name: str, now: Timestamp, event_id: str = ""
+) -> Operation[StepEffect | None]:
+    """The recorded step of the first of ``run_ids`` that has one — or ``None`` after appending a
+    ``durability/effect`` intent under every run id (one commit: the effect is claimed for all or none).
+    Constant work: the keys are looked up by index, the conversation is never scanned."""
+    state: HeadState = yield LoadHead(conversation_id)
+    _not_purged(state, conversation_id)
+    keys = _effect_keys(run_ids, effect_name)
+    at = yield from _found_keys(conversation_id, keys)
+    for key in keys:
+        existing = yield from _step_effect(conversation_id, key, at)
+        if existing is not None:
+            return existing
+    entries = [
+        ("durability/effect", {"run_id": run_id, "effect_name": effect_name, "status": "intent"}, None)
+        for run_id in run_ids
+    ]
+    head, events = _events(state.head or new_head(conversation_id, now), now, event_id, entries)
+    yield Write(Mutation(head=head, events=events))
+    return None
+
+
+def accept_step_effect(
+    *,
+    conversation_id: str,
+    run_ids: Sequence[str],
+    effect_name: str,
+    value_json: str,
+    reconciled: bool,
+    now: Timestamp,
+    event_id: str = "",
+) -> Operation[StepEffect | None]:
+    """Append the accepted proof under each of ``run_ids`` whose key holds a bare intent, and return None.
+    When the first key was accepted already (by another process), nothing is written and that step is
+    returned; when it holds nothing (the conversation was purged meanwhile), nothing is written either."""
+    state: HeadState = yield LoadHead(conversation_id)
+    if state.head is None or state.purged:
+        return None
+    keys = _effect_keys(run_ids, effect_name)
+    at = yield from _found_keys(conversation_id, keys)
+    _, intent, accepted = keys[0]
+    if accepted in at:
+        return (yield from _step_effect(conversation_id, keys[0], at))
+    if intent not in at:
+        return None
+    payload = {"effect_name": effect_name, "status": "accepted", "value_json": value_json, "reconciled": reconciled}
+    entries = [
+        ("durability/effect", {"run_id": run_id, **payload}, None)
+        for run_id, intent, accepted in keys
+        if intent in at and accepted not in at
+    ]
+    head, events = _events(state.head, now, event_id, entries)
+    yield Write(Mutation(head=head, events=events))
+    return None
+
+
+def read_step_effect(*, conversation_id: str, run_id: str, effect_name: str) -> Operation[StepEffect | None]:
+    """The step recorded under one key, or None."""
+    keys = _effect_keys((run_id,), effect_name)
+    at = yield from _found_keys(conversation_id, keys)
+    return (yield from _step_effect(conversation_id, keys[0], at))
 
 
 @dataclass(frozen=True, slots=True)

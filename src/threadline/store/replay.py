@@ -148,6 +148,10 @@ def replay_events(
             rows.staged.clear()
             continue
         if event.kind != "runtime/transition":
+            if conversation_id not in tables:  # a journal opened by append_event: its head, at version 0
+                rows.staged.append(Write(Mutation(head=reducer.new_head(conversation_id, event.occurred_at))))
+                rows.commit()
+                rows.staged.clear()
             continue
         record = payload_record(event.kind, event.payload)
         try:

@@ -57,7 +57,7 @@ from ..errors import (
     AgentStoreSchemaError,
     AgentStoreUnavailableError,
 )
-from ..ledger.events import AgentStoreEvent
+from ..ledger.events import AgentStoreEvent, event_key
 from ..records import (
     ACTIVE_RUN_STATES,
     AdmissionReceipt,
@@ -70,7 +70,7 @@ from ..records import (
     ToolResultPart,
 )
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, decode, encode as _encode, encode_with, event_digest, foreign, pack, unpack
+from .codec import RecordCache, decode, encode as _encode, encode_with, foreign, pack, unpack
 from .driver import (
     Access,
     HeadState,
@@ -79,12 +79,12 @@ from .driver import (
     LoadAllReceipts,
     LoadAllRuns,
     LoadAllSeeds,
+    LoadEventKeys,
     LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
-    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -179,7 +179,8 @@ _TABLES: dict[str, str] = {
     ),
     "threadline_fts_queue": ("CREATE TABLE threadline_fts_queue (row_id INTEGER PRIMARY KEY, stale INTEGER NOT NULL)"),
     # the ledger: one append-only journal per conversation. A rowid table (bodies are larger than an index
-    # entry should be), appended in seq order; ``digest`` is set for provider/message bodies only
+    # entry should be), appended in seq order; ``digest`` is the event's lookup key (``event_key``: a
+    # provider/message body's digest, a durable step's intent or proof), NULL for every other event
     "threadline_events": (
         "CREATE TABLE threadline_events (row_id INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL, "
         "seq INTEGER NOT NULL, kind TEXT NOT NULL, digest TEXT, body TEXT NOT NULL, UNIQUE (conversation_id, seq))"
@@ -213,7 +214,8 @@ _INDEXES: dict[str, str] = {
     "threadline_admissions_input": (
         "CREATE UNIQUE INDEX threadline_admissions_input ON threadline_admissions (conversation_id, input_message_id)"
     ),
-    # a provider/message body is written once per conversation: found by its digest, never by a scan
+    # a provider/message body is written once per conversation, a step's intent and proof once per key:
+    # found by their key, never by a scan
     "threadline_events_bodies": (
         "CREATE UNIQUE INDEX threadline_events_bodies ON threadline_events (conversation_id, digest) "
         "WHERE digest IS NOT NULL"
@@ -726,9 +728,9 @@ class _SqliteRows:
             out.append(event)
         return out
 
-    def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
+    def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]:
         found: list[tuple[str, int]] = []
-        for chunk in _chunks(tuple(dict.fromkeys(r.shas))):
+        for chunk in _chunks(tuple(dict.fromkeys(r.keys))):
             sql = _BODIES.format(", ".join("?" * len(chunk)))
             found += self.cur.execute(sql, (r.conversation_id, *chunk)).fetchall()
         return found
@@ -764,7 +766,7 @@ class _SqliteRows:
             known["h", cid] = m.head
             if m.runs:
                 self._write_runs(m.runs)
-            written: list[tuple[Message, str]] = []
+            written: dict[int, str] = {}
             if m.messages:
                 self.fts_pending = True
                 written = self._write_messages(m.messages)
@@ -779,7 +781,7 @@ class _SqliteRows:
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
             if m.events:
-                events = [(cid, e.seq, e.kind, event_digest(e), pack(encode(e))) for e in m.events]
+                events = [(cid, e.seq, e.kind, event_key(e), pack(encode(e))) for e in m.events]
                 if len(events) == 1:
                     conn.execute(_INSERT_EVENT, events[0])
                 else:
@@ -832,16 +834,16 @@ class _SqliteRows:
             else:
                 self.cur.executemany(_UPSERT_RUN, upserts)
 
-    def _write_messages(self, messages: Sequence[Message]) -> list[tuple[Message, str]]:
+    def _write_messages(self, messages: Sequence[Message]) -> dict[int, str]:
         known, encode = self.known, _encode
         upserts: list[tuple[Any, ...]] = []  # full rows: new, or a change of what the sort and flags index
         updates: list[tuple[Any, ...]] = []
         settling: list[tuple[Any, ...]] = []  # known unsettled rows that take their position
-        written: list[tuple[Message, str]] = []
+        written: dict[int, str] = {}  # id(message) -> its body (the messages live as long as the mutation)
         for msg in messages:
             f = msg.__dict__
             cid, mid, position, body = f["conversation_id"], f["id"], f["position"], encode(msg)
-            written.append((msg, body))
+            written[id(msg)] = body
             row = (
                 cid,
                 mid,
@@ -950,12 +952,11 @@ def _unchanged(message: Message, snapshot: bytes | None) -> bool:
     return pickle.dumps(_mutable(message), protocol=5) == snapshot
 
 
-def _receipt(receipt: AdmissionReceipt, written: list[tuple[Message, str]]) -> str:
-    """A receipt's stored JSON; its input is the message its admission writes beside it, encoded once."""
-    for message, body in written:
-        if message is receipt.input:
-            return encode_with(receipt, "input", body)
-    return _encode(receipt)
+def _receipt(receipt: AdmissionReceipt, written: dict[int, str]) -> str:
+    """A receipt's stored JSON; its input is the message its admission writes beside it, encoded once
+    (found by identity: a restore writes thousands of receipts and messages in one mutation)."""
+    body = written.get(id(receipt.input))
+    return _encode(receipt) if body is None else encode_with(receipt, "input", body)
 
 
 def _reset(stats: OperationStats) -> None:

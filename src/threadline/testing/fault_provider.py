@@ -80,6 +80,8 @@ class StreamText:
     chunks: tuple[str, ...]
     usage: UsageSpec = None
     finish_reason: str = "stop"
+    provider: str | None = None
+    """A gateway's upstream as OpenRouter names it: every chunk carries ``"provider": <this>``."""
     kind: Literal["stream-text"] = "stream-text"
 
 
@@ -159,10 +161,13 @@ def _chunks(chunks: str | Iterable[str]) -> tuple[str, ...]:
     return (chunks,) if isinstance(chunks, str) else tuple(chunks)
 
 
-def stream_text(chunks: str | Iterable[str], usage: UsageSpec = None, *, finish_reason: str = "stop") -> StreamText:
+def stream_text(
+    chunks: str | Iterable[str], usage: UsageSpec = None, *, finish_reason: str = "stop", provider: str | None = None
+) -> StreamText:
     """Answer with text streamed as ``chunks``; ``usage`` is ``(prompt_tokens, completion_tokens)`` or an
-    OpenAI ``usage`` mapping (sent when the client asked for ``stream_options.include_usage``)."""
-    return StreamText(_chunks(chunks), usage, finish_reason)
+    OpenAI ``usage`` mapping (sent when the client asked for ``stream_options.include_usage``).
+    ``provider``: answer as OpenRouter does, naming the upstream that served the request in every chunk."""
+    return StreamText(_chunks(chunks), usage, finish_reason, provider)
 
 
 def stream_tool_calls(
@@ -503,7 +508,11 @@ class FaultProviderServer:
         stream = bool(body.get("stream"))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sse = _Sse(
-            writer, reader, model=str(body.get("model") or "fault-model"), response_id=f"chatcmpl-fault-{record.index}"
+            writer,
+            reader,
+            model=str(body.get("model") or "fault-model"),
+            response_id=f"chatcmpl-fault-{record.index}",
+            provider=b.provider if isinstance(b, StreamText) else None,
         )
 
         if isinstance(b, Hang):
@@ -607,14 +616,26 @@ class FaultProviderServer:
 class _Sse:
     """One streamed (chunked, ``text/event-stream``) response."""
 
-    def __init__(self, writer: asyncio.StreamWriter, reader: asyncio.StreamReader, *, model: str, response_id: str):
+    def __init__(
+        self,
+        writer: asyncio.StreamWriter,
+        reader: asyncio.StreamReader,
+        *,
+        model: str,
+        response_id: str,
+        provider: str | None = None,
+    ):
         self.writer = writer
         self.reader = reader
         self.model = model
         self.response_id = response_id
+        self.provider = provider
 
     def envelope(self) -> dict[str, Any]:
-        return {"id": self.response_id, "object": "chat.completion.chunk", "created": CREATED, "model": self.model}
+        out = {"id": self.response_id, "object": "chat.completion.chunk", "created": CREATED, "model": self.model}
+        if self.provider is not None:
+            out["provider"] = self.provider
+        return out
 
     async def _write(self, data: bytes) -> None:
         if self.writer.transport.is_closing():

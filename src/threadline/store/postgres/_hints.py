@@ -197,7 +197,7 @@ class Guard:
 
     __slots__ = (
         "absent_answers",
-        "absent_bodies",
+        "absent_event_keys",
         "absent_inputs",
         "absent_keys",
         "absent_messages",
@@ -220,7 +220,7 @@ class Guard:
         self.absent_keys: dict[str, None] = {}
         self.absent_inputs: dict[str, None] = {}
         self.absent_answers: dict[str, None] = {}
-        self.absent_bodies: dict[str, None] = {}
+        self.absent_event_keys: dict[str, None] = {}
 
     def statement(self, q: Statements, literal: Callable[[object], bytes]) -> tuple[bytes, bytes]:
         """The ``PREPARE`` text of this guard's shape and the ``EXECUTE`` that checks its claims."""
@@ -235,7 +235,7 @@ class Guard:
             ("no_messages", self.absent_messages),
             ("no_keys", self.absent_keys),
             ("no_inputs", self.absent_inputs),
-            ("no_bodies", self.absent_bodies),
+            ("no_event_keys", self.absent_event_keys),
             ("no_answers", self.absent_answers),
         ):
             if claim is None or (not claim and part != "active"):

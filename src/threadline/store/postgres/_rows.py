@@ -12,9 +12,9 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ...ledger.events import AgentStoreEvent
+from ...ledger.events import AgentStoreEvent, event_key
 from ...records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
-from ..codec import RecordCache, decode, event_digest, foreign
+from ..codec import RecordCache, decode, foreign
 from ..driver import (
     Access,
     HeadState,
@@ -23,12 +23,12 @@ from ..driver import (
     LoadAllReceipts,
     LoadAllRuns,
     LoadAllSeeds,
+    LoadEventKeys,
     LoadEvents,
     LoadHead,
     LoadHistory,
     LoadMessages,
     LoadMessagesSince,
-    LoadProviderBodies,
     LoadReceipt,
     LoadReceiptByInput,
     LoadRuns,
@@ -218,11 +218,11 @@ class PostgresRows:
         if kind is LoadEvents:
             assert isinstance(r, LoadEvents)
             return x("events", r.conversation_id, clamp(r.from_seq), clamp(r.to_seq), r.limit)
-        if kind is LoadProviderBodies:
-            assert isinstance(r, LoadProviderBodies)
-            if not r.shas:
+        if kind is LoadEventKeys:
+            assert isinstance(r, LoadEventKeys)
+            if not r.keys:
                 return None
-            return x("provider_bodies", r.conversation_id, list(dict.fromkeys(r.shas)))
+            return x("event_keys", r.conversation_id, list(dict.fromkeys(r.keys)))
         if kind is LoadAllReceipts:
             return x("all_receipts", r.conversation_id)  # type: ignore[attr-defined]
         if kind is LoadAllSeeds:
@@ -396,9 +396,10 @@ class PostgresRows:
             guard.absent_keys[r.idempotency_key] = None  # type: ignore[attr-defined]
         elif kind is LoadReceiptByInput:
             guard.absent_inputs[r.input_message_id] = None  # type: ignore[attr-defined]
-        elif kind is LoadProviderBodies:
-            # a body a request carries is usually new to the conversation: claimed absent, checked by the guard
-            guard.absent_bodies.update(dict.fromkeys(r.shas))  # type: ignore[attr-defined]
+        elif kind is LoadEventKeys:
+            # a body a request carries, a step's key, is usually new to the conversation: claimed absent,
+            # checked by the guard
+            guard.absent_event_keys.update(dict.fromkeys(r.keys))  # type: ignore[attr-defined]
         elif kind is LoadRunsByAssistant:
             ids = r.message_ids  # type: ignore[attr-defined]
             if any(run.assistant_message_id in ids for run in self._remembered_runs(hint)):
@@ -589,8 +590,8 @@ class PostgresRows:
             out.append(event)
         return out
 
-    async def load_provider_bodies(self, r: LoadProviderBodies) -> list[tuple[str, int]]:
-        return [(sha, int(seq)) for sha, seq in await self._rows(r)] if r.shas else []
+    async def load_event_keys(self, r: LoadEventKeys) -> list[tuple[str, int]]:
+        return [(key, int(seq)) for key, seq in await self._rows(r)] if r.keys else []
 
     async def load_all_receipts(self, r: LoadAllReceipts) -> list[AdmissionReceipt]:
         out = []
@@ -656,7 +657,7 @@ class PostgresRows:
         for seed in m.seeds:
             pending.append(x("insert_seed", seed.conversation_id, seed.seed_key, encode(seed)))
         for event in m.events:
-            pending.append(x("insert_event", cid, event.seq, event.kind, event_digest(event), encode(event)))
+            pending.append(x("insert_event", cid, event.seq, event.kind, event_key(event), encode(event)))
 
     def _verb(self, table: str, cid: str, key: str) -> str:
         """``update`` for a row known to exist, else ``upsert``; either way the row exists afterwards."""

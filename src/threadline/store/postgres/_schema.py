@@ -114,14 +114,16 @@ _INDEXES_V3: dict[str, str] = {
 }
 
 _TABLES_V4: dict[str, str] = {
-    # the ledger: one append-only journal per conversation; ``digest`` is set for provider/message bodies
+    # the ledger: one append-only journal per conversation; ``digest`` is the event's lookup key
+    # (``event_key``: a provider/message body's digest, a durable step's intent or proof)
     "threadline_events": (
         f"CREATE TABLE {{s}}.threadline_events (conversation_id {_ID}, seq bigint NOT NULL, kind text NOT NULL, "
         "digest text, body text NOT NULL, PRIMARY KEY (conversation_id, seq))"
     ),
 }
 _INDEXES_V4: dict[str, str] = {
-    # a provider/message body is written once per conversation: found by its digest, never by a scan
+    # a provider/message body is written once per conversation, a step's intent and proof once per key:
+    # found by their key, never by a scan
     "threadline_events_bodies": (
         "CREATE UNIQUE INDEX threadline_events_bodies ON {s}.threadline_events (conversation_id, digest) "
         "WHERE digest IS NOT NULL"

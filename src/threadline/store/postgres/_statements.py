@@ -171,7 +171,7 @@ _PREPARED: dict[str, tuple[str, str]] = {
         "SELECT seq, body FROM {s}.threadline_events WHERE conversation_id = $1 AND seq BETWEEN $2 AND $3 "
         "ORDER BY seq LIMIT $4",
     ),
-    "provider_bodies": (
+    "event_keys": (
         "text, text[]",
         "SELECT digest, seq FROM {s}.threadline_events WHERE conversation_id = $1 AND digest = ANY($2)",
     ),
@@ -232,7 +232,7 @@ GUARD_PARTS: dict[str, tuple[tuple[str, ...], str]] = {
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_admissions WHERE conversation_id = $1 "
         "AND input_message_id = ANY(${0}))",
     ),
-    "no_bodies": (  # no provider/message body with these digests (threadline_events_bodies)
+    "no_event_keys": (  # no event with these lookup keys: body digests, step keys (threadline_events_bodies)
         ("text[]",),
         "NOT EXISTS (SELECT 1 FROM {s}.threadline_events WHERE conversation_id = $1 AND digest = ANY(${0}))",
     ),

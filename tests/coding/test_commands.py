@@ -13,9 +13,11 @@ import pytest
 from threadline import AppError
 from threadline.coding import (
     AgentCodingToolLimits,
+    create_agent_coding_tools,
     create_memory_agent_coding_artifact_store,
     create_sqlite_agent_coding_artifact_store,
 )
+from threadline.tools import AgentToolContext
 
 pytestmark = pytest.mark.subprocess
 
@@ -115,21 +117,29 @@ async def test_timeout_kills_the_whole_group(make_tools, tmp_path: Path) -> None
     assert await wait_dead(int(pidfile.read_text()))
 
 
-async def test_cancellation_kills_the_group_and_propagates(make_tools, tmp_path: Path) -> None:
-    pidfile = tmp_path / "leader.pid"
-    script = f"import os,time; open({str(pidfile)!r},'w').write(str(os.getpid())); time.sleep(60)"
+async def test_cancellation_during_a_run_kills_every_process_of_the_group_and_propagates(
+    make_tools, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "pids"
+    script = (
+        "import os,subprocess,sys,time;"
+        "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']);"
+        f"open({str(pidfile)!r},'w').write(f'{{os.getpid()}} {{p.pid}}');time.sleep(60)"
+    )
     tools = make_tools(executables={"py": PY})
     task = asyncio.create_task(tools.call("run_command", executable="py", args=["-c", script]))
 
     async def started() -> None:
-        while not pidfile.exists() or not pidfile.read_text():
+        while not pidfile.exists() or len(pidfile.read_text().split()) < 2:
             await asyncio.sleep(0.02)
 
     await asyncio.wait_for(started(), timeout=10)
+    leader, child = map(int, pidfile.read_text().split())
+    assert alive(leader) and alive(child)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=10)
-    assert await wait_dead(int(pidfile.read_text()))
+    assert await wait_dead(leader) and await wait_dead(child)
 
 
 async def test_output_limit_without_a_store(make_tools) -> None:
@@ -182,3 +192,83 @@ async def test_signal_of_a_killed_leader_is_named(make_tools) -> None:
         "run_command", executable="py", args=["-c", "import os,signal; os.kill(os.getpid(), signal.SIGTERM)"]
     )
     assert (result["exit_code"], result["signal"], result["outcome"]) == (None, signal.SIGTERM.name, "exited")
+
+
+async def test_a_call_whose_task_is_already_cancelled_returns_cancelled_without_asking_or_spawning(
+    make_tools, tmp_path: Path
+) -> None:
+    marker = tmp_path / "spawned"
+    tools = make_tools(executables={"py": PY})
+    seen: list[dict] = []
+
+    async def aborted_before_the_call() -> None:
+        asyncio.current_task().cancel()  # the request is pending: it lands at this task's next await
+        seen.append(await tools.call("run_command", executable="py", args=["-c", f"open({str(marker)!r}, 'w')"]))
+        await asyncio.sleep(0)  # the cancellation was not swallowed: it lands here
+
+    task = asyncio.create_task(aborted_before_the_call())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
+    assert seen == [
+        {"executable": "py", "exit_code": None, "signal": None, "stdout": "", "stderr": "", "outcome": "cancelled"}
+    ]
+    assert tools.asked == [] and not marker.exists()
+
+
+def run_command_of(root: Path, authorize, args: list[str]):
+    """The ``run_command`` call of a tool set whose host answers with ``authorize`` (a coroutine to await)."""
+    (tool,) = [
+        t
+        for t in create_agent_coding_tools(root=root, authorize=authorize, executables={"py": PY})
+        if t.name == "run_command"
+    ]
+    ctx = AgentToolContext(conversation_id="c", run_id="r", call_id="k", tool_name="run_command", context=None)
+    return tool.call(ctx, tool.validate({"executable": "py", "args": args}))
+
+
+async def test_an_abort_requested_while_the_host_decides_returns_cancelled_without_spawning(
+    workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "spawned"
+    asked: list[str] = []
+
+    def authorize(payload: dict) -> bool:
+        asked.append(payload["operation"])
+        asyncio.current_task().cancel()  # e.g. the host stopped the run from its callback, then said yes
+        return True
+
+    spawn = run_command_of(workspace, authorize, ["-c", f"open({str(marker)!r}, 'w')"])
+    seen: list[dict] = []
+
+    async def call() -> None:
+        seen.append(await spawn)
+        await asyncio.sleep(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.create_task(call()), timeout=10)
+    assert asked == ["shell"] and seen[0]["outcome"] == "cancelled" and seen[0]["exit_code"] is None
+    assert not marker.exists()
+
+
+async def test_a_cancellation_delivered_while_the_host_decides_propagates_and_spawns_nothing(
+    workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "spawned"
+    deciding = asyncio.Event()
+    cancelled: list[str] = []
+
+    async def authorize(payload: dict) -> bool:
+        deciding.set()
+        try:
+            await asyncio.Event().wait()  # a host that never answers
+        except asyncio.CancelledError:
+            cancelled.append(payload["operation"])
+            raise
+        return True
+
+    task = asyncio.create_task(run_command_of(workspace, authorize, ["-c", f"open({str(marker)!r}, 'w')"]))
+    await asyncio.wait_for(deciding.wait(), timeout=10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
+    assert cancelled == ["shell"] and not marker.exists()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         create_agent_coding_tools as create_agent_coding_tools,
     )
     from .workspace import (
+        AgentCodingPlatformError as AgentCodingPlatformError,
         WalkEntry as WalkEntry,
         WalkLimits as WalkLimits,
         WalkStats as WalkStats,
@@ -61,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "AgentSandboxUnavailableError": ".sandbox",
     "AGENT_CODING_TOOL_NAMES": ".tools",
     "create_agent_coding_tools": ".tools",
+    "AgentCodingPlatformError": ".workspace",
     "WalkEntry": ".workspace",
     "WalkLimits": ".workspace",
     "WalkStats": ".workspace",

@@ -13,8 +13,14 @@ the rest (up to ``max_artifact_bytes``) is kept in an artifact and the inline te
 preview cut on UTF-8 boundaries; ``read_output`` / ``search_output`` read the artifact. Without a store the
 command stops at the inline budget (``outcome: "output-limit"``).
 
-Cancelling the call kills the group, waits (shielded) for its settlement within the grace, and re-raises:
-nothing keeps running after a cancelled call.
+Cancellation. A run's abort reaches its tool call as the cancellation of the task executing it (the loop's
+``RunControl.abort`` cancels that task; :class:`~threadline.AgentToolContext` carries no separate signal). A
+call whose task already has a cancellation request pending — the run was aborted before the command was
+launched, e.g. by a host callback that stopped the run — returns ``outcome: "cancelled"`` without spawning
+anything and without swallowing the request: it is still delivered at the caller's next ``await``. A
+cancellation delivered while the host is deciding propagates as it is (nothing was spawned). Once the
+command runs, cancelling the call kills the group, waits (shielded) for its settlement within the grace, and
+re-raises: nothing keeps running after a cancelled call.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pydantic import ConfigDict, Field, create_model
 
 from ..tools import AgentTool, AgentToolContext, define_agent_tool
 from .policy import CodingConfig, authorize, maybe, refuse, workspace_refusals
-from .workspace import join_segments
+from .workspace import PROC_FD, join_segments
 
 logger = logging.getLogger("threadline.coding")
 
@@ -92,6 +98,25 @@ async def _feed(process: asyncio.subprocess.Process, data: bytes | None) -> None
         process.stdin.close()
 
 
+def _abort_pending() -> bool:
+    """Whether the calling task has a cancellation request it has not received yet (asyncio delivers it at
+    the next suspension): the call's run was aborted and nothing may be launched."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _cancelled(executable: str) -> dict[str, Any]:
+    """The result of a call aborted before launch: nothing ran."""
+    return {
+        "executable": executable,
+        "exit_code": None,
+        "signal": None,
+        "stdout": "",
+        "stderr": "",
+        "outcome": "cancelled",
+    }
+
+
 async def _leader_exit(process: asyncio.subprocess.Process) -> None:
     """Return when the leader has exited and been reaped. (``Process.wait()`` on Python 3.11 also waits for
     the pipes to close, which a background child holding stdout would delay forever.) A pidfd signals the
@@ -145,7 +170,7 @@ def create_command_tools(config: CodingConfig) -> list[AgentTool]:
         description=(
             f"Run one of the host's executables ({', '.join(aliases)}) with an argument list (never a shell "
             "string), bounded time and output. Returns exit_code, signal, stdout, stderr and outcome "
-            "(exited, timeout, output-limit); long output is previewed and kept in an artifact."
+            "(exited, timeout, output-limit, cancelled); long output is previewed and kept in an artifact."
         ),
     )
     async def run_command(
@@ -172,6 +197,8 @@ def create_command_tools(config: CodingConfig) -> list[AgentTool]:
             )
         if stdin_bytes is not None and len(stdin_bytes) > limits.max_write_bytes:
             refuse("BAD_REQUEST", "stdin is over the write limit", hint="write the input to a file instead")
+        if _abort_pending():  # aborted before execution: the host is not asked, nothing is spawned
+            return _cancelled(executable)
         async with workspace_refusals():
             segments = workspace.parse(cwd, allow_root=True, max_path_bytes=limits.max_path_bytes)
             relative = join_segments(segments)
@@ -191,7 +218,9 @@ def create_command_tools(config: CodingConfig) -> list[AgentTool]:
             if config.launcher is not None:
                 argv, spawn_cwd = await maybe(config.launcher.prepare(program, list(args), directory))
             else:
-                argv, spawn_cwd = [program, *args], f"/proc/self/fd/{directory}"
+                argv, spawn_cwd = [program, *args], f"{PROC_FD}/{directory}"
+            if _abort_pending():  # aborted while the host decided (e.g. its callback stopped the run)
+                return _cancelled(executable)
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 cwd=spawn_cwd,

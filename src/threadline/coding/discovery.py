@@ -7,6 +7,11 @@ full empty result from partial work. Reasons: ``denied``, ``unreadable``, ``max-
 ``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
 ``max-search-results``, ``max-search-bytes``, ``max-search-output-bytes``, ``max-read-bytes``,
 ``invalid-utf8``, ``binary``, ``timeout``.
+
+``search_timeout`` counts from the call's start and bounds the host's decisions too: an async ``authorize``
+or ``authorize_path`` answer still pending at the deadline is cancelled — ``TIMEOUT`` (504) before anything
+was visited, reason ``timeout`` once the walk or listing had begun. Cancelling the call cancels a pending
+answer the same way. A sync callback cannot be interrupted; the deadline is observed when it returns.
 """
 
 from __future__ import annotations
@@ -21,8 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..tools import AgentTool, define_agent_tool
 from .globs import GlobPattern, compile_glob
-from .policy import CodingConfig, authorize, authorize_path_chain, path_admitted, refuse, workspace_refusals
+from .policy import (
+    CodingConfig,
+    authorize,
+    authorize_path_chain,
+    path_admitted,
+    path_decision,
+    refuse,
+    workspace_refusals,
+)
 from .workspace import (
+    HostDecisionTimeout,
     WalkLimits,
     WalkStats,
     WorkspaceError,
@@ -116,9 +130,10 @@ def excluded_by(config: CodingConfig) -> Any:
     return lambda relative, name: name in excluded
 
 
-async def open_discovery_base(config: CodingConfig, path: str) -> tuple[tuple[str, ...], int]:
+async def open_discovery_base(config: CodingConfig, path: str, deadline: float) -> tuple[tuple[str, ...], int]:
     """Parse and open a discovery base directory (``.`` allowed), then ask the path policy about it
-    (about ``.`` first when rooted there). Returns the segments and an open descriptor."""
+    (about ``.`` first when rooted there; an async answer pending at ``deadline`` refuses ``TIMEOUT``).
+    Returns the segments and an open descriptor."""
     workspace = config.workspace
     segments = workspace.parse(path, allow_root=True, max_path_bytes=config.limits.max_path_bytes)
     try:
@@ -126,10 +141,10 @@ async def open_discovery_base(config: CodingConfig, path: str) -> tuple[tuple[st
     except WorkspacePathError:
         raise
     except WorkspaceError:
-        await authorize_path_chain(config, segments, root=not segments)
+        await authorize_path_chain(config, segments, root=not segments, deadline=deadline)
         raise
     try:
-        await authorize_path_chain(config, segments, root=not segments)
+        await authorize_path_chain(config, segments, root=not segments, deadline=deadline)
     except BaseException:
         os.close(fd)
         raise
@@ -162,11 +177,12 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
     )
     async def list_directory(path: str = ".") -> dict[str, Any]:
         started = time.monotonic()
+        deadline = started + limits.search_timeout
         async with workspace_refusals():
-            segments, fd = await open_discovery_base(config, path)
+            segments, fd = await open_discovery_base(config, path, deadline)
             relative = join_segments(segments)
             try:
-                await authorize(config, {"operation": "list", "path": relative})
+                await authorize(config, {"operation": "list", "path": relative}, deadline=deadline)
                 if config.workspace.directory_identity(segments) != _identity_of(fd):
                     refuse(
                         "CONFLICT",
@@ -193,7 +209,15 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 listed: list[dict[str, Any]] = []
                 for entry in entries:
                     child = f"{relative}/{entry.name}" if segments else entry.name
-                    if not await path_admitted(config, child):
+                    if time.monotonic() > deadline:
+                        stats.reason("timeout")
+                        break
+                    try:
+                        admitted = await path_admitted(config, child, deadline=deadline)
+                    except HostDecisionTimeout:
+                        stats.reason("timeout")  # the rest of the listing is withheld undecided
+                        break
+                    if not admitted:
                         stats.deny(child, entry.kind)
                         continue
                     item: dict[str, Any] = {"name": entry.name, "kind": entry.kind}
@@ -250,9 +274,10 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                     "the smallest result for this pattern would not fit the output limit",
                     hint="use a shorter pattern",
                 )
-            segments, fd = await open_discovery_base(config, path)
+            deadline = started + limits.search_timeout
+            segments, fd = await open_discovery_base(config, path, deadline)
             os.close(fd)
-            await authorize(config, {"operation": "glob", "pattern": pattern, "path": relative})
+            await authorize(config, {"operation": "glob", "pattern": pattern, "path": relative}, deadline=deadline)
             stats = new_stats(config)
             paths, result_truncated = await _glob_walk(config, compiled, segments, stats, budget, started)
         return {
@@ -286,7 +311,7 @@ async def _glob_walk(
         exclude=excluded_by(config),
         prune=lambda relative: compiled.may_contain(relative[cut:]),
         include=lambda relative: compiled.matches(relative[cut:]),
-        admit=(lambda relative, kind: path_admitted(config, relative)) if config.authorize_path else None,
+        admit=(lambda relative, kind: path_decision(config, relative)) if config.authorize_path else None,
     )
     async with contextlib.aclosing(walk):
         async for entry in walk:

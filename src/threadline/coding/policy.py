@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from ..tools import AppError
 from .contract import AgentCodingArtifactStore, AgentCodingToolLimits
-from .workspace import Workspace, WorkspaceError, join_segments
+from .workspace import HostDecisionTimeout, Workspace, WorkspaceError, await_decision, join_segments
 
 logger = logging.getLogger("threadline.coding")
 
@@ -81,10 +81,33 @@ async def workspace_refusals() -> Any:
         raise converted from None
 
 
-async def authorize(config: CodingConfig, payload: dict[str, Any]) -> None:
+def decision_timed_out(config: CodingConfig, what: str, *, path: str | None = None) -> NoReturn:
+    """The refusal of a host decision still pending at the discovery deadline (``search_timeout``)."""
+    seconds = config.limits.search_timeout
+    body: dict[str, Any] = {"message": f"the host did not decide on this {what} within {seconds:g} s"}
+    if path is not None:
+        body["path"] = path
+    body["timeout_seconds"] = seconds
+    raise AppError(
+        "TIMEOUT",
+        body["message"],
+        body,
+        "call again later or narrow the request; the host can raise limits.search_timeout",
+        retryable=True,
+    )
+
+
+async def authorize(config: CodingConfig, payload: dict[str, Any], *, deadline: float | None = None) -> None:
     """Ask the host's ``authorize`` callback; a falsy answer refuses ``FORBIDDEN``. A callback that raises
-    propagates with its own cause (an :class:`AppError` it raises reaches the model as it is)."""
-    if not await maybe(config.authorize(payload)):
+    propagates with its own cause (an :class:`AppError` it raises reaches the model as it is). With a
+    ``deadline`` (discovery: the call's start plus ``search_timeout``) an async answer still pending there is
+    cancelled and the call refuses ``TIMEOUT``; a sync callback cannot be interrupted. Cancelling the call
+    cancels a pending async answer."""
+    try:
+        admitted = await await_decision(config.authorize(payload), deadline)
+    except HostDecisionTimeout:
+        decision_timed_out(config, f"{payload['operation']} operation", path=payload.get("path"))
+    if not admitted:
         refuse(
             "FORBIDDEN",
             f"the host did not authorize this {payload['operation']} operation",
@@ -94,23 +117,38 @@ async def authorize(config: CodingConfig, payload: dict[str, Any]) -> None:
         )
 
 
-async def path_admitted(config: CodingConfig, relative: str) -> bool:
-    """The host's operation-independent path policy (``authorize_path``); every path is admitted without one."""
+def path_decision(config: CodingConfig, relative: str) -> Any:
+    """The host path policy's raw answer about ``relative`` (a value, or an awaitable from an async policy);
+    ``True`` without one. For :meth:`Workspace.walk`'s ``admit``, which bounds it by the walk's deadline."""
     if config.authorize_path is None:
         return True
-    return bool(await maybe(config.authorize_path({"path": relative})))
+    return config.authorize_path({"path": relative})
 
 
-async def authorize_path_chain(config: CodingConfig, segments: Sequence[str], *, root: bool = False) -> None:
+async def path_admitted(config: CodingConfig, relative: str, *, deadline: float | None = None) -> bool:
+    """The host's operation-independent path policy (``authorize_path``); every path is admitted without one.
+    Raises :class:`HostDecisionTimeout` when an async answer is still pending at ``deadline``."""
+    if config.authorize_path is None:
+        return True
+    return bool(await await_decision(config.authorize_path({"path": relative}), deadline))
+
+
+async def authorize_path_chain(
+    config: CodingConfig, segments: Sequence[str], *, root: bool = False, deadline: float | None = None
+) -> None:
     """Ask ``authorize_path`` about each named ancestor and the entry itself, outermost first, stopping at the
     first refusal (a path of depth N costs N questions; ``root=True`` asks about ``.`` first, as discovery
     rooted at ``.`` does). Denial is segment-wise, so denying ``credentials`` denies everything under it
-    and not ``credentials-backup``."""
+    and not ``credentials-backup``. An async answer still pending at ``deadline`` refuses ``TIMEOUT``."""
     if config.authorize_path is None:
         return
     chain = (["."] if root else []) + [join_segments(segments[: i + 1]) for i in range(len(segments))]
     for relative in chain:
-        if not await path_admitted(config, relative):
+        try:
+            admitted = await path_admitted(config, relative, deadline=deadline)
+        except HostDecisionTimeout:
+            decision_timed_out(config, "path", path=relative)
+        if not admitted:
             refuse(
                 "FORBIDDEN",
                 "the host's path policy denies this path",

@@ -59,8 +59,15 @@ def create_agent_coding_tools(
     The root is a path boundary for the file tools, not a security sandbox for commands: an executable
     can reach whatever its process can, unless ``sandbox`` isolates it.
 
-    Raises :class:`~threadline.errors.AgentConfigError` (naming the field) for an invalid argument, and
-    ImportError naming ``pip install 'threadline[coding]'`` without google-re2.
+    ``list_directory``, ``glob`` and ``search_files`` bound the host's async decisions by
+    ``limits.search_timeout`` (a pending answer is cancelled: ``TIMEOUT`` or coverage reason ``timeout``); a
+    sync callback cannot be interrupted. ``run_command`` called when its run is already aborted (a pending
+    cancellation of the calling task) returns ``outcome: "cancelled"`` without spawning.
+
+    Raises :class:`~threadline.errors.AgentConfigError` (naming the field) for an invalid argument,
+    :class:`~threadline.coding.workspace.AgentCodingPlatformError` (``SERVICE_UNAVAILABLE``) on a platform
+    without descriptor-anchored file access (not Linux, no ``/proc/self/fd``, a missing open flag) — there is
+    no fallback — and ImportError naming ``pip install 'threadline[coding]'`` without google-re2.
     """
     from .discovery import create_discovery_tools
     from .files import create_file_tools

@@ -19,6 +19,9 @@ The API, shared by the coding tools and the harness's file resources:
   :func:`write_file_at` for writes; :func:`scan_directory` for one bounded directory read; :meth:`walk`, an
   async generator over the files of a tree within :class:`WalkLimits`, reporting what it skipped in
   :class:`WalkStats`.
+- :func:`descriptor_platform_gaps` / :func:`require_descriptor_platform`: the platform check every
+  ``Workspace()`` runs first — Linux, the open flags, ``dir_fd`` support and ``/proc/self/fd``; without them
+  construction fails closed with :class:`AgentCodingPlatformError` (there is no string-checked fallback).
 - :class:`WorkspaceError` and its subclasses: each carries the refusal ``code`` a tool hands a model
   (``BAD_REQUEST``, ``FORBIDDEN``, ``NOT_FOUND``, ``CONFLICT``), the workspace-relative ``path`` and a ``hint``.
   They never name a host path. :class:`WorkspaceUnavailableError` (the root itself is gone or was replaced)
@@ -42,21 +45,25 @@ import asyncio
 import contextlib
 import errno
 import inspect
+import operator
 import os
 import secrets
 import stat
+import sys
 import time
 import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from ..errors import AgentConfigError, ThreadlineError
+from ..errors import AgentConfigError, AppError, ThreadlineError
 
 __all__ = (
     "MAX_NAME_BYTES",
     "MAX_PATH_BYTES",
+    "AgentCodingPlatformError",
     "EntryKind",
+    "HostDecisionTimeout",
     "WalkEntry",
     "WalkLimits",
     "WalkStats",
@@ -72,8 +79,11 @@ __all__ = (
     "WorkspacePathError",
     "WorkspaceSymlinkError",
     "WorkspaceUnavailableError",
+    "await_decision",
+    "descriptor_platform_gaps",
     "join_segments",
     "open_regular_file_at",
+    "require_descriptor_platform",
     "scan_directory",
     "write_file_at",
 )
@@ -81,9 +91,18 @@ __all__ = (
 MAX_PATH_BYTES = 4_096
 MAX_NAME_BYTES = 255
 
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# read with getattr: on a platform without one of them this module still imports, and Workspace() refuses
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIR = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+_O_FILE = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+
+PROC_FD = "/proc/self/fd"
+"""Where Linux names this process's descriptors; ``run_command`` hands its pinned cwd over through it."""
+_REQUIRED_FLAGS = ("O_DIRECTORY", "O_NOFOLLOW", "O_CLOEXEC", "O_NONBLOCK")
 
 EntryKind = Literal["file", "directory", "symlink", "other"]
 Identity = tuple[int, int]
@@ -155,6 +174,71 @@ class WorkspaceUnavailableError(WorkspaceError):
     """The root itself cannot be opened or is no longer the directory that was declared (host-level)."""
 
     code = None
+
+
+# ------------------------------------------------------------------------------------------------ platform
+
+
+class AgentCodingPlatformError(AppError):
+    """This platform cannot give descriptor-anchored containment, so the coding tools (and every other user
+    of :class:`Workspace`) refuse to be built here instead of falling back to string checks.
+    ``SERVICE_UNAVAILABLE`` (503); ``details`` names the ``platform`` and what is ``missing``."""
+
+    def __init__(self, platform: str, missing: list[str]) -> None:
+        message = (
+            f"the coding tools need descriptor-anchored file access, which this platform ({platform}) does not "
+            f"provide: missing {', '.join(missing)}"
+        )
+        super().__init__(
+            "SERVICE_UNAVAILABLE",
+            message,
+            {"message": message, "platform": platform, "missing": list(missing)},
+            "run the coding tools on Linux with /proc mounted; no string-checked fallback exists",
+        )
+        self.platform = platform
+        self.missing = list(missing)
+
+
+def _proc_fd_names_descriptors(proc_fd: str) -> bool:
+    """Whether ``proc_fd/N`` reaches the directory open as descriptor N (Linux with /proc mounted)."""
+    try:
+        fd = os.open("/", os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _identity(os.stat(f"{proc_fd}/{fd}")) == _identity(os.fstat(fd))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def descriptor_platform_gaps() -> list[str]:
+    """What this platform lacks for descriptor-anchored containment, empty when nothing: Linux (the one
+    qualified platform: FreeBSD and macOS have ``openat`` but not the spelling, ``/proc`` and process
+    semantics the tools are tested against), the open flags ``O_DIRECTORY``, ``O_NOFOLLOW``,
+    ``O_CLOEXEC``, ``O_NONBLOCK``, ``dir_fd`` support for open/stat/mkdir/rename/link/unlink, ``scandir``
+    of a descriptor, and :data:`PROC_FD` naming this process's descriptors."""
+    missing: list[str] = []
+    if not sys.platform.startswith("linux"):
+        missing.append("Linux (the one qualified platform)")
+    missing += [f"os.{flag}" for flag in _REQUIRED_FLAGS if not getattr(os, flag, 0)]
+    for function in (os.open, os.stat, os.mkdir, os.rename, os.link, os.unlink):
+        if function not in os.supports_dir_fd:
+            missing.append(f"dir_fd support in os.{function.__name__}")
+    if os.scandir not in os.supports_fd:
+        missing.append("os.scandir of a descriptor")
+    if not _proc_fd_names_descriptors(PROC_FD):
+        missing.append(PROC_FD)
+    return missing
+
+
+def require_descriptor_platform() -> None:
+    """Raise :class:`AgentCodingPlatformError` naming the platform unless :func:`descriptor_platform_gaps`
+    is empty."""
+    missing = descriptor_platform_gaps()
+    if missing:
+        raise AgentCodingPlatformError(sys.platform, missing)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -377,11 +461,11 @@ def write_file_at(parent_fd: int, name: str, data: bytes, *, replace: bool, rela
 # ------------------------------------------------------------------------------------------------ listing
 
 
-@dataclass(frozen=True)
-class ScannedEntry:
+class ScannedEntry(NamedTuple):
+    # a NamedTuple, not a frozen dataclass: one is built per directory entry, and this is 3x cheaper
     name: str
     kind: EntryKind
-    entry: os.DirEntry[str] = field(repr=False, compare=False)
+    entry: os.DirEntry[str]
 
 
 def _entry_kind(entry: os.DirEntry[str]) -> EntryKind:
@@ -393,6 +477,9 @@ def _entry_kind(entry: os.DirEntry[str]) -> EntryKind:
     if entry.is_file(follow_symlinks=False):
         return "file"
     return "other"
+
+
+_by_name = operator.attrgetter("name")
 
 
 def scan_directory(dir_fd: int, max_entries: int) -> tuple[list[ScannedEntry], bool]:
@@ -408,7 +495,7 @@ def scan_directory(dir_fd: int, max_entries: int) -> tuple[list[ScannedEntry], b
             if len(entries) >= max_entries:
                 truncated = True
                 break
-    entries.sort(key=lambda e: e.name)
+    entries.sort(key=_by_name)
     return entries, truncated
 
 
@@ -470,10 +557,10 @@ class WalkStats:
         return self.errors_count > len(self.errors)
 
 
-@dataclass(frozen=True)
-class WalkEntry:
-    """A file reached by :meth:`Workspace.walk`. ``dir_fd`` is its open parent directory, valid only until the
-    walk resumes: open the file with :meth:`WalkEntry.open` (or by name under ``dir_fd``) before that."""
+class WalkEntry(NamedTuple):
+    """A file reached by :meth:`Workspace.walk` (immutable; one is built per file, so a NamedTuple). ``dir_fd``
+    is its open parent directory, valid only until the walk resumes: open the file with
+    :meth:`WalkEntry.open` (or by name under ``dir_fd``) before that."""
 
     path: str
     name: str
@@ -492,9 +579,13 @@ Admit = Callable[[str, EntryKind], "bool | Awaitable[bool]"]
 
 class Workspace:
     """One declared absolute root. Its identity is pinned now: every later open checks the root is still the
-    same directory (a root renamed away and replaced refuses with :class:`WorkspaceUnavailableError`)."""
+    same directory (a root renamed away and replaced refuses with :class:`WorkspaceUnavailableError`).
+
+    Fails closed: on a platform without descriptor-anchored access (:func:`descriptor_platform_gaps`)
+    construction raises :class:`AgentCodingPlatformError` naming the platform."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
+        require_descriptor_platform()
         declared = os.fspath(root)
         if not isinstance(declared, str) or not os.path.isabs(declared):
             raise AgentConfigError(f"the workspace root must be an absolute path, got {declared!r}", field="root")
@@ -765,7 +856,8 @@ class Workspace:
         says so (counted, outside the scope) or when ``admit(relative, 'directory')`` refuses (recorded in
         ``stats.denied``) — all before it is opened; a file is skipped when ``include(relative)`` is false
         (silently) or ``admit(relative, 'file')`` refuses (recorded). ``admit`` may be sync or async and
-        sees each path before anything below it is opened.
+        sees each path before anything below it is opened; an async answer still pending at the deadline is
+        cancelled and the walk stops (reason ``timeout``), a sync one cannot be interrupted.
 
         Stops early at a limit of :class:`WalkLimits`, recording the reason in ``stats.reasons``
         (``max-search-files``, ``max-search-depth``, ``max-search-directories``, ``max-search-entries``,
@@ -807,9 +899,12 @@ class Workspace:
                     if depth + 1 > limits.max_depth:
                         stats.reason("max-search-depth")
                         continue
-                    if admit is not None and not await _ask(admit, relative, "directory"):
-                        stats.deny(relative, "directory")
-                        continue
+                    if admit is not None:
+                        admitted = await _ask(admit, relative, "directory", limits.deadline, stats)
+                        if admitted is None:  # undecided at the deadline
+                            return
+                        if not admitted:
+                            continue
                     if stats.entries >= limits.max_entries:
                         stats.reason("max-search-entries")
                         continue
@@ -831,9 +926,12 @@ class Workspace:
                     continue
                 if include is not None and not include(relative):
                     continue
-                if admit is not None and not await _ask(admit, relative, "file"):
-                    stats.deny(relative, "file")
-                    continue
+                if admit is not None:
+                    admitted = await _ask(admit, relative, "file", limits.deadline, stats)
+                    if admitted is None:  # undecided at the deadline
+                        return
+                    if not admitted:
+                        continue
                 if stats.files >= limits.max_files:
                     stats.reason("max-search-files")
                     return
@@ -869,8 +967,37 @@ class Workspace:
             stats.reason("max-search-entries")
 
 
-async def _ask(admit: Admit, relative: str, kind: EntryKind) -> bool:
-    decision = admit(relative, kind)
-    if inspect.isawaitable(decision):
-        decision = await decision
-    return bool(decision)
+class HostDecisionTimeout(Exception):
+    """A host callback's awaitable answer did not come before the deadline; it was cancelled."""
+
+
+async def await_decision(decision: Any, deadline: float | None) -> Any:
+    """A host callback's answer: a plain value as it is; an awaitable awaited — and, with a ``deadline``
+    (``time.monotonic()``), cancelled there, raising :class:`HostDecisionTimeout`. Cancelling the caller
+    cancels the awaitable too. A sync callback has already returned when this is called: it ran on the event
+    loop's thread and nothing could interrupt it (the deadline is observed after it returns)."""
+    if not inspect.isawaitable(decision):
+        return decision
+    if deadline is None:
+        return await decision
+    timeout = asyncio.timeout(deadline - time.monotonic())
+    try:
+        async with timeout:
+            return await decision
+    except TimeoutError:
+        if timeout.expired():
+            raise HostDecisionTimeout() from None
+        raise
+
+
+async def _ask(admit: Admit, relative: str, kind: EntryKind, deadline: float | None, stats: WalkStats) -> bool | None:
+    """``admit``'s answer, a refusal recorded in ``stats.denied``; ``None`` (reason ``timeout``) when an
+    async answer did not come before the deadline."""
+    try:
+        admitted = bool(await await_decision(admit(relative, kind), deadline))
+    except HostDecisionTimeout:
+        stats.reason("timeout")
+        return None
+    if not admitted:
+        stats.deny(relative, kind)
+    return admitted

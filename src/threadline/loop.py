@@ -88,6 +88,7 @@ from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import request_instruction_parts, with_history_system
 from .history.view import ConversationView
 from .ledger.digests import PrefixDigests
+from .ledger.events import AgentStoreEventDraft, runtime_draft
 from .ledger.requests import provider_request_records
 from .models import AgentModelDescriptor, response_provider
 from .output import AgentOutput, OutputJudgement
@@ -535,7 +536,7 @@ class _OwnedRun:
         self.run = run
         self.control = control
         self.checkpoints = 0
-        self.attached: list[dict[str, Any]] = []
+        self.attached: list[AgentStoreEventDraft] = []
         """Ledger records (provider requests and responses, retries) for the run's next commit that takes
         them: a checkpoint, an operation record or the terminal, in the same transaction."""
         self._on_attached: list[Callable[[], None]] = []
@@ -565,7 +566,7 @@ class _OwnedRun:
             self.control.abort("interrupted")
         return current
 
-    def attach(self, events: Sequence[dict[str, Any]], committed: Callable[[], None] | None = None) -> None:
+    def attach(self, events: Sequence[AgentStoreEventDraft], committed: Callable[[], None] | None = None) -> None:
         """Ledger records for the next commit that carries them; ``committed`` runs once it has."""
         self.attached.extend(events)
         if committed is not None:
@@ -1715,8 +1716,8 @@ async def execute_run(
     return await execution.execute()
 
 
-def _ledger(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": kind, "payload": payload}
+def _ledger(kind: str, payload: dict[str, Any]) -> AgentStoreEventDraft:
+    return runtime_draft(kind, payload)
 
 
 def split_completed_rounds(parts: Sequence[Part]) -> tuple[tuple[Part, ...], tuple[Part, ...]]:

@@ -258,6 +258,9 @@ async def test_provider_requests_are_constant_size_checkable_and_cost_no_extra_c
     kinds = [e.kind for e in events]
     assert kinds.count("provider/request") == 24
     assert kinds.count("runtime/transition") == 48
+    # the runtime's own records are written without validating them again: each is its kind's typed record
+    for event in events:
+        assert decode_agent_store_event(event.model_dump(mode="json"))[1] is not None, event
 
 
 _READS = frozenset({"load_snapshot", "load_changes", "load_run", "list_active_runs", "scan_recoverable", "read_events"})

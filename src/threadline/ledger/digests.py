@@ -10,18 +10,23 @@ request also names the digests ``added`` to an earlier request's prefix, so the 
 body (:func:`check_provider_requests`).
 
 A message body is the pydantic-ai ``ModelMessage`` as JSON without what is never sent to a provider
-(timestamps, usage, run ids, ``None`` fields), binary content replaced by ``{binary, sha256, bytes}``, in
-RFC 8785 canonical form; its digest is the SHA-256 of those bytes.
+(the message's and its parts' timestamps, usage, run ids, ``None`` fields), binary content replaced by
+``{binary, sha256, bytes}``. Its digest is the SHA-256 of its canonical JSON (:func:`canonical`: keys sorted,
+no insignificant whitespace, UTF-8, no NaN or infinity). Not RFC 8785, which the archive uses: a digest is
+computed for every message of every request, and the standard library's C encoder is an order of magnitude
+cheaper than a pure-Python RFC 8785 one; both are deterministic, and the journal's checker uses this one.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from datetime import date, datetime
 from typing import Any
 
-import rfc8785
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 
 __all__ = [
@@ -56,14 +61,51 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _binary(item: Any) -> Any:
+    """A serialized ``BinaryContent`` as what a body records of it (its digest and size); anything else
+    as it is."""
+    if type(item) is dict and item.get("kind") == "binary" and "media_type" in item and type(item.get("data")) is str:
+        try:
+            data = base64.b64decode(item["data"], validate=True)
+        except binascii.Error:  # a tool's own data that happens to look like it
+            return item
+        return {"binary": True, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return item
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in part.items() if k not in _NOT_SENT}
+    content = out.get("content")
+    if type(content) is list:
+        out["content"] = [_binary(item) for item in content]
+    elif type(content) is dict:
+        out["content"] = _binary(content)
+    return out
+
+
 def message_body(message: ModelMessage) -> Any:
-    """``message`` as the JSON value a ``provider/message`` record holds."""
-    return _clean(ModelMessagesTypeAdapter.dump_python([message], mode="python")[0])
+    """``message`` as the JSON value a ``provider/message`` record holds: pydantic-ai's JSON form of it
+    without its ``None`` fields, and without the bookkeeping of the message and of each part
+    (:data:`_NOT_SENT`); what a part carries (text, arguments, a tool's result) is kept exactly, binary
+    content as its digest and size."""
+    data = ModelMessagesTypeAdapter.dump_python([message], mode="json", exclude_none=True)[0]
+    body = {k: v for k, v in data.items() if k not in _NOT_SENT}
+    body["parts"] = [_part(p) for p in data.get("parts", ())]
+    return body
+
+
+_CANONICAL = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
+
+
+def canonical(value: Any) -> bytes:
+    """``value`` (JSON data) as the canonical bytes a digest is taken of (a lone surrogate is kept as its
+    bytes rather than refused: a provider's message may carry one)."""
+    return _CANONICAL.encode(value).encode("utf-8", "surrogatepass")
 
 
 def message_digest(body: Any) -> str:
-    """The SHA-256 (hex) of a body's RFC 8785 canonical bytes."""
-    return hashlib.sha256(rfc8785.dumps(body)).hexdigest()
+    """The SHA-256 (hex) of a body's canonical bytes (:func:`canonical`)."""
+    return hashlib.sha256(canonical(body)).hexdigest()
 
 
 def chain(previous: str, sha256: str) -> str:
@@ -82,7 +124,7 @@ def instructions_digest(instructions: Any) -> str:
     """SHA-256 of the effective instructions: their text, or their canonical JSON when not text."""
     if isinstance(instructions, str):
         return hashlib.sha256(instructions.encode()).hexdigest()
-    return hashlib.sha256(rfc8785.dumps(_clean(instructions))).hexdigest()
+    return hashlib.sha256(canonical(_clean(instructions))).hexdigest()
 
 
 class PrefixDigests:

@@ -141,6 +141,17 @@ class AgentStoreEventDraft(_Record):
     ignorable: Literal[True] | None = None
 
 
+class RuntimeEventDraft(AgentStoreEventDraft):
+    """A draft the runtime builds from its own records (the loop's provider, retry and approval records):
+    its payload has its kind's shape by construction, so the store does not validate it again on every
+    commit of a turn. Build one with :func:`runtime_draft`; anything else a caller passes is validated."""
+
+
+def runtime_draft(kind: str, payload: Any) -> AgentStoreEventDraft:
+    """A :class:`RuntimeEventDraft` of ``kind`` (not validated: the runtime's own records only)."""
+    return RuntimeEventDraft.model_construct(kind=kind, payload=payload)
+
+
 class AgentStoreEventPage(_Record):
     """One page of :meth:`~threadline.store.AgentRuntimeStore.read_events`; ``next_seq`` only when more
     events remain in the range asked for."""

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic_ai.messages import ModelMessage
 
 from .digests import PrefixDigests, instructions_digest, message_body, message_digest
+from .events import AgentStoreEventDraft, runtime_draft
 
 __all__ = ["provider_request_records"]
 
@@ -33,7 +34,7 @@ def provider_request_records(
     step: int,
     model_id: str | None,
     instructions: str,
-) -> tuple[list[dict[str, Any]], Callable[[], None]]:
+) -> tuple[list[AgentStoreEventDraft], Callable[[], None]]:
     """The ledger records of one request: a ``provider/message`` per body the ledger may not hold yet
     (the store skips those it does), then the ``provider/request``; and what to remember once they are
     committed. ``projection`` is the settled-history projection the request forked (``None``: none)."""
@@ -56,7 +57,7 @@ def provider_request_records(
         "message_shas": tail,
     }
     bodies = dict(zip(tail, tail_bodies, strict=True))
-    events: list[dict[str, Any]] = []
+    events: list[AgentStoreEventDraft] = []
     skip = set(state.bodies_recorded)
     for index, sha in enumerate([*added, *tail]):
         if sha in skip:
@@ -65,9 +66,9 @@ def provider_request_records(
         body = fresh.get(sha) or bodies.get(sha)
         if body is None:  # digested by an earlier request whose records did not commit
             body = message_body(state.messages[start + index])
-        events.append({"kind": "provider/message", "payload": {"sha256": sha, "message": body}})
-    events.append({"kind": "provider/request", "payload": request})
-    shas = [e["payload"]["sha256"] for e in events[:-1]]
+        events.append(runtime_draft("provider/message", {"sha256": sha, "message": body}))
+    events.append(runtime_draft("provider/request", request))
+    shas = [e.payload["sha256"] for e in events[:-1]]  # type: ignore[index,call-overload]
     chained = (count, prefix["sha256"])
 
     def committed() -> None:

@@ -22,6 +22,7 @@ from ..ledger.events import (
     AgentStoreEvent,
     AgentStoreEventDraft,
     AgentStoreEventPage,
+    RuntimeEventDraft,
     payload_record,
 )
 from ..records import (
@@ -95,7 +96,10 @@ def _usage(value: object) -> AgentUsage | None:
 
 def _draft(value: AgentStoreEventDraft | Mapping[str, Any], at: str) -> AgentStoreEventDraft:
     """One declared ledger record, checked: a declared kind the store does not reserve, and a payload that
-    is that kind's typed record (``at`` prefixes the field an error names)."""
+    is that kind's typed record (``at`` prefixes the field an error names). The runtime's own drafts
+    (:func:`~threadline.ledger.events.runtime_draft`) pass as they are."""
+    if type(value) is RuntimeEventDraft:
+        return value
     draft = _validated(AgentStoreEventDraft, value, at.rstrip("."))
     if draft.kind in STORE_WRITTEN_KINDS:
         raise AgentRecordValidationError(

@@ -7,13 +7,17 @@ an unknown ``schema_version`` :class:`~threadline.errors.AgentRecordSchemaVersio
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Callable
+from datetime import datetime
 from typing import TypeVar
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from ..errors import AgentStoreCorruptRecordError
+from ..ledger.events import AgentStoreEvent
 from ..records import STORAGE, ConversationHead, Run, SeedRecord
 
 M = TypeVar("M", bound=BaseModel)
@@ -26,6 +30,37 @@ def encode(record: BaseModel) -> str:
     """The stored JSON of ``record``: its serializer called directly, in the ``STORAGE`` context (a run's
     usage is kept compact there; ``model_dump_json`` gives the same record in full)."""
     return type(record).__pydantic_serializer__.to_json(record, context=STORAGE).decode()
+
+
+_EVENT_JSON = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=lambda value: to_jsonable_python(value)
+)
+"""A record inside a payload (a run's usage carries its cost record) is written as pydantic writes it."""
+
+
+def _stamp(at: datetime) -> str:
+    """A timestamp as pydantic writes it (``Z`` for UTC)."""
+    text = at.isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def encode_event(event: AgentStoreEvent) -> str:
+    """The stored JSON of a ledger event (what :func:`encode` gives, read back the same), written by the
+    standard library's C encoder: an event's payload is plain JSON data already, and pydantic's encoder for
+    a free-form JSON value inspects every node of it (most of a ledger write's cost)."""
+    values = event.__dict__
+    envelope: dict[str, object] = {
+        "schema_version": values["schema_version"],
+        "event_id": values["event_id"],
+        "conversation_id": values["conversation_id"],
+        "seq": values["seq"],
+        "kind": values["kind"],
+        "occurred_at": _stamp(values["occurred_at"]),
+        "payload": values["payload"],
+    }
+    if values["ignorable"]:
+        envelope["ignorable"] = True
+    return _EVENT_JSON.encode(envelope)
 
 
 def encode_with(record: BaseModel, field: str, body: str) -> str:
@@ -87,11 +122,17 @@ an event compresses to about a third of its JSON instead of about half. A stored
 in its first byte; this one is never changed (a new one would get a new first byte)."""
 
 
+_PRIMED_1 = zlib.compressobj(1, zlib.DEFLATED, 12, 5, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY_1)
+"""A compressor with the dictionary already loaded, copied for each body: setting up a fresh one (its
+tables, the dictionary) cost more than compressing a body. A 4 KiB window: bodies are small, and the
+dictionary's tail is what they share; the stream says its window, so any reader inflates it."""
+
+
 def pack(body: str) -> str | bytes:
     """A ledger body as the SQLite driver stores it (see :data:`PACK_FROM`)."""
     if len(body) < PACK_FROM:
         return body
-    packer = zlib.compressobj(6, zlib.DEFLATED, 15, 9, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY_1)
+    packer = _PRIMED_1.copy()
     return _PACKED_1 + packer.compress(body.encode()) + packer.flush()
 
 

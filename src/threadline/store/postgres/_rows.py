@@ -14,7 +14,7 @@ from psycopg.pq import TransactionStatus
 
 from ...ledger.events import AgentStoreEvent, event_key
 from ...records import AdmissionReceipt, ConversationHead, Message, Run, SeedRecord
-from ..codec import RecordCache, decode, foreign
+from ..codec import RecordCache, decode, encode_event, foreign
 from ..driver import (
     Access,
     HeadState,
@@ -657,7 +657,7 @@ class PostgresRows:
         for seed in m.seeds:
             pending.append(x("insert_seed", seed.conversation_id, seed.seed_key, encode(seed)))
         for event in m.events:
-            pending.append(x("insert_event", cid, event.seq, event.kind, event_key(event), encode(event)))
+            pending.append(x("insert_event", cid, event.seq, event.kind, event_key(event), encode_event(event)))
 
     def _verb(self, table: str, cid: str, key: str) -> str:
         """``update`` for a row known to exist, else ``upsert``; either way the row exists afterwards."""

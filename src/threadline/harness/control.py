@@ -178,6 +178,7 @@ class AgentHarnessControlServer:
         self._closed = False
         self._published: dict[str, list[AgentControlEventDelivery]] = {}  # this loop turn's, by conversation
         self._handing: asyncio.Handle | None = None
+        self._rest_until = 0.0  # loop time before which the next hand-over does not start
         self._unsubscribe = harness.subscribe(self._on_event)
 
     # ------------------------------------------------------------------------------------ surface
@@ -249,10 +250,26 @@ class AgentHarnessControlServer:
         else:
             published.append(delivery)
         if self._handing is None:
-            self._handing = asyncio.get_running_loop().call_soon(self._hand_over)
+            loop = asyncio.get_running_loop()
+            if self._rest_until > loop.time():
+                self._handing = loop.call_at(self._rest_until, self._hand_over)
+            else:
+                self._handing = loop.call_soon(self._hand_over)
 
     def _hand_over(self) -> None:
-        self._handing = None
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            self._hand_over_now()
+        finally:
+            # the next hand-over waits as long as this one took: writing to many viewers never takes more
+            # than half of the event loop (a run executing in this process keeps the rest), and what is
+            # published meanwhile goes out together, in fewer writes
+            self._handing = None
+            ended = loop.time()
+            self._rest_until = ended + (ended - began)
+
+    def _hand_over_now(self) -> None:
         published, self._published = self._published, {}
         for conversation_id, deliveries in published.items():
             observers = self._observers.get(conversation_id)

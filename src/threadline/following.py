@@ -209,20 +209,19 @@ class Followers:
         """Wait at most ``timeout`` seconds for a relay to bring the run's terminal; whether it did."""
         if run_id in self._relayed_terminals:
             return True
-        waiter = self._terminal_waiters.get(run_id)
-        if waiter is None:
-            waiter = self._terminal_waiters[run_id] = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        waiter = self._terminal_waiters[run_id] = asyncio.get_running_loop().create_future()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, timeout)
+        finally:
+            if self._terminal_waiters.get(run_id) is waiter:
+                del self._terminal_waiters[run_id]
         return run_id in self._relayed_terminals
 
     def settle_elsewhere(self, run_id: str, loaded: Any) -> None:
         """The store shows the run ended and its watcher settles the ticket. Followers the relay did not
         bring the terminal to read a ``relay-gap`` marker and the stored terminal first."""
         self._relayed_terminals.pop(run_id, None)
-        waiter = self._terminal_waiters.pop(run_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
         followers = [f for f in self.by_run.get(run_id, ()) if not f.ended]
         if not followers or not self.relays:
             return

@@ -406,10 +406,9 @@ def delta(n: int, conversation_id: str = "c1") -> AssistantDeltaEvent:
     )
 
 
-async def next_turn() -> None:
-    """Let the event loop run what this turn scheduled (the hand-over to connections)."""
-    for _ in range(3):
-        await asyncio.sleep(0)
+async def attach(connection: Any, conversation_id: str = "c1") -> None:
+    request = {"request_id": "r", "operation": "attach", "conversation_id": conversation_id, "access": "observe"}
+    assert (await asyncio.wait_for(connection.request(request), WAIT)).outcome == "ok"
 
 
 async def test_events_published_together_reach_each_connection_as_one_shared_batch(
@@ -418,22 +417,19 @@ async def test_events_published_together_reach_each_connection_as_one_shared_bat
     server = create_agent_harness_control_server(harness)
     one: list[AgentControlDeliveryBatch] = []
     two: list[AgentControlDeliveryBatch] = []
-    a = server.connect(id="a", deliver_batch=one.append, on_overflow=lambda d: None)
-    b = server.connect(id="b", deliver_batch=two.append, on_overflow=lambda d: None)
-    for connection in (a, b):
-        request = {"request_id": "r", "operation": "attach", "conversation_id": "c1", "access": "observe"}
-        assert (await connection.request(request)).outcome == "ok"
+    await attach(server.connect(id="a", deliver_batch=one.append, on_overflow=lambda d: None))
+    await attach(server.connect(id="b", deliver_batch=two.append, on_overflow=lambda d: None))
     for n in (1, 2, 3):
         harness.events.publish(delta(n))
     harness.events.publish(delta(1, "elsewhere"))  # not attached: goes nowhere
-    await next_turn()
+    await wait_for(lambda: one and two, "the batch")
     assert len(one) == 1 and one[0] is two[0], "one batch object, shared"
     assert [d.event.sequence for d in one[0]] == [1, 2, 3] and len(one[0]) == 3
     text = one[0].json_text()
     assert text is two[0].json_text(), "encoded once"
     assert [item["event"]["delta"] for item in json.loads(text)] == ["w1 ", "w2 ", "w3 "]
     harness.events.publish(delta(4))
-    await next_turn()
+    await wait_for(lambda: len(one) == 2, "the next batch")
     assert json.loads(one[1].json_text())["event"]["sequence"] == 4, "a batch of one is the delivery itself"
 
 
@@ -455,28 +451,30 @@ async def test_what_arrives_during_a_blocked_write_follows_as_one_batch_and_neve
             await release.wait()  # the socket is full: this write waits
         active -= 1
 
-    connection = server.connect(id="a", deliver_batch=write, on_overflow=lambda d: None)
-    await connection.request({"request_id": "r", "operation": "attach", "conversation_id": "c1", "access": "observe"})
+    await attach(server.connect(id="a", deliver_batch=write, on_overflow=lambda d: None))
+    seen: list[int] = []  # a viewer that keeps up shows when each hand-over happened
+    await attach(server.connect(id="w", deliver=lambda d: seen.append(d.event.sequence), on_overflow=print))
     harness.events.publish(delta(1))
-    await next_turn()
-    for n in (2, 3, 4):  # three loop turns while the first write waits
+    await wait_for(lambda: batches == [[1]], "the first write, which waits")
+    for n in (2, 3, 4):  # one at a time, each handed over while the first write still waits
         harness.events.publish(delta(n))
-        await next_turn()
+        await wait_for(lambda n=n: n in seen, f"event {n} handed over")
     assert batches == [[1]]
     release.set()
     await wait_for(lambda: len(batches) == 2, "the waiting events, as one batch")
     assert batches == [[1], [2, 3, 4]] and most == 1
     harness.events.publish(delta(5))
-    await next_turn()
+    await wait_for(lambda: len(batches) == 3, "the next batch")
     assert batches[-1] == [5]
 
 
 async def test_a_blocked_batch_writer_is_detached_past_max_pending_events(harness: HeadlessAgentHarness) -> None:
     server = create_agent_harness_control_server(harness, max_pending_events=4)
     overflows: list[Any] = []
-    cancelled = asyncio.Event()
+    entered, cancelled = asyncio.Event(), asyncio.Event()
 
     async def stuck(batch: AgentControlDeliveryBatch) -> None:
+        entered.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -484,13 +482,18 @@ async def test_a_blocked_batch_writer_is_detached_past_max_pending_events(harnes
             raise
 
     connection = server.connect(id="a", deliver_batch=stuck, on_overflow=overflows.append)
-    await connection.request({"request_id": "r", "operation": "attach", "conversation_id": "c1", "access": "observe"})
-    for n in range(1, 7):  # one in the blocked write, then 5 waiting: one more than the bound
+    await attach(connection)
+    harness.events.publish(delta(1))
+    await asyncio.wait_for(entered.wait(), WAIT)
+    for n in range(2, 6):  # 4 waiting: at the bound, still attached
         harness.events.publish(delta(n))
-        await next_turn()
+    seen: list[int] = []
+    await attach(server.connect(id="w", deliver=lambda d: seen.append(d.event.sequence), on_overflow=print))
+    harness.events.publish(delta(6))  # a 5th waiting: one more than the bound
+    await wait_for(lambda: overflows, "the overflow")
     assert [o.type for o in overflows] == ["resync-required"] and connection.closed
     await asyncio.wait_for(cancelled.wait(), WAIT)  # the blocked write was cancelled
-    assert server.connection_count == 0
+    assert server.connection_count == 1
 
 
 async def test_connect_takes_exactly_one_way_to_deliver(harness: HeadlessAgentHarness) -> None:

@@ -84,7 +84,7 @@ async def worker(backend: str, where: list[str], deltas: int, pause: float) -> N
     await handle.close()
 
 
-async def web(backend: str, where: list[str], runs: int, deltas: int, pause: float) -> str:
+async def web(backend: str, where: list[str], runs: int, deltas: int, pause: float, seam: str = "hub") -> str:
     handle = open_store(backend, where)
     if backend == "postgres":
         await handle.open()
@@ -115,21 +115,34 @@ async def web(backend: str, where: list[str], runs: int, deltas: int, pause: flo
                 models={"resolve": lambda: registry.resolve("m")},
                 runs={"execute": False, "watch_interval": 0.05},
             )
-            subscription = await relay.subscribe(hub)
+            settles: list[float] = []
+            if seam == "ticket":
+                subscription = await relay.subscribe(admit)  # through the runtime: tickets' followers
+
+                async def turn(key: str) -> None:
+                    await _ticket_turn(admit, key, latencies, settles)
+            else:
+                subscription = await relay.subscribe(hub)
+
+                async def turn(key: str) -> None:
+                    await _turn(admit, key, terminals, arrived)
+
             # one untimed run first: connections, prepared statements, first imports
-            await _turn(admit, "warm", terminals, arrived)
+            await turn("warm")
             latencies.clear()
+            settles.clear()
             speed = additions_s()
             for k in range(runs):
-                await _turn(admit, f"r{k}", terminals, arrived)
+                await turn(f"r{k}")
             await admit.close()
             status = subscription.status()
         lost = runs * deltas - len(latencies)
         ms = sorted(x * 1000 for x in latencies)
         p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+        settled = f" settle_p50_ms={statistics.median(settles) * 1000:.2f}" if settles else ""
         return (
-            f"system=threadline live={backend} deltas={len(ms)} p50_ms={statistics.median(ms):.2f} "
-            f"p99_ms={p99:.2f} max_ms={ms[-1]:.2f} lost={lost} heals={status.heals} additions_s={speed:.2f}"
+            f"system=threadline live={backend} seam={seam} deltas={len(ms)} p50_ms={statistics.median(ms):.2f} "
+            f"p99_ms={p99:.2f} max_ms={ms[-1]:.2f} lost={lost} heals={status.heals}{settled} additions_s={speed:.2f}"
         )
     finally:
         child.send_signal(signal.SIGTERM)
@@ -153,6 +166,22 @@ async def _turn(admit: Any, key: str, terminals: set[str], arrived: asyncio.Even
             await arrived.wait()
 
 
+async def _ticket_turn(admit: Any, key: str, latencies: list[float], settles: list[float]) -> None:
+    """One run followed through ``ticket.events()`` in this (admitting) process: the deltas' latency, and
+    how long after the worker's terminal the ticket's result settled."""
+    ticket = admit.submit(conversation_id=key, idempotency_key=key, context=None, parts=[{"type": "text", "text": key}])
+    terminal_at = None
+    async with asyncio.timeout(WAIT):
+        async for event in ticket.events():
+            if event.type == "assistant-delta":
+                latencies.append(time.time() - event.emitted_at.timestamp())
+            elif event.type == "terminal":
+                terminal_at = event.emitted_at.timestamp()
+        await ticket.result
+    if terminal_at is not None:
+        settles.append(time.time() - terminal_at)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=["sqlite", "postgres"])
@@ -161,6 +190,9 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.002)
     parser.add_argument(
         "--dsn", default=os.environ.get("THREADLINE_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    )
+    parser.add_argument(
+        "--seam", choices=["hub", "ticket"], default="hub", help="the web process reads its hub or ticket.events()"
     )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,11 +204,12 @@ def main() -> None:
     for backend in args.backends:
         if backend == "sqlite":
             with tempfile.TemporaryDirectory() as tmp:
-                print(asyncio.run(web("sqlite", [str(Path(tmp) / "live.db")], args.runs, args.deltas, args.pause)))
+                where = [str(Path(tmp) / "live.db")]
+                print(asyncio.run(web("sqlite", where, args.runs, args.deltas, args.pause, args.seam)))
         else:
             schema = f"threadline_bench_{uuid.uuid4().hex[:12]}"
             try:
-                print(asyncio.run(web("postgres", [args.dsn, schema], args.runs, args.deltas, args.pause)))
+                print(asyncio.run(web("postgres", [args.dsn, schema], args.runs, args.deltas, args.pause, args.seam)))
             finally:
                 import psycopg
 

@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     )
     from .following import (
         AGENT_TICKET_EVENTS_MAX as AGENT_TICKET_EVENTS_MAX,
+        AgentRelayedDelivery as AgentRelayedDelivery,
         ResyncEvent as ResyncEvent,
     )
     from .history.compaction import (
@@ -412,6 +413,7 @@ _EXPORTS: dict[str, str] = {
     "UsageFigure": ".usage",
     "ResyncEvent": ".following",
     "AGENT_TICKET_EVENTS_MAX": ".following",
+    "AgentRelayedDelivery": ".following",
 }
 """Every public name and the module that defines it."""
 
@@ -480,6 +482,7 @@ __all__ = [
     "AgentRecordSchemaVersionError",
     "AgentRecordValidationError",
     "AgentRecoveryOutcome",
+    "AgentRelayedDelivery",
     "AgentRetryPolicy",
     "AgentRunEvent",
     "AgentRunFailure",

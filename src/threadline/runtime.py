@@ -58,7 +58,7 @@ from .events import (
     describe_internal_cause,
     durable_event_id,
 )
-from .following import AGENT_TICKET_EVENTS_MAX, Followers, RunFollower
+from .following import AGENT_TICKET_EVENTS_MAX, RELAYED_TERMINAL_GRACE, AgentRelayedDelivery, Followers, RunFollower
 from .history.projection import AgentHistoryProjectionOptions
 from .history.prompt import ComposedAgentPrompt, agent_instructions
 from .history.view import ConversationView
@@ -287,8 +287,9 @@ class AgentRuntimeTicket:
         ``attempt-reset``, ``terminal``. The iteration ends once ``result`` settled. Bounded by ``capacity``
         events: a consumer that falls behind reads a :class:`~threadline.following.ResyncEvent` instead of
         what it lost, and never slows the run. Call it right after ``submit`` to see every event; called
-        later, it starts with the next one. Only runs executing in this process have events between their
-        admission and their end (``runs.execute=False``: the admission, then the end of the iteration).
+        later, it starts with the next one. A run another process executes (``runs.execute=False``) has
+        events between its admission and its end only when a live relay feeds this runtime
+        (:meth:`relayed_delivery`); without one, the admission, then the end of the iteration.
         Following is observation only: cancelling the consuming task, or ``await events.aclose()``, stops
         reading and changes nothing durable; the run goes on."""
         if self._runtime is None:
@@ -535,6 +536,15 @@ class AgentRuntime:
         _isolated(self._publish_fn, event, self._publish_failures)
         if self._followers:
             self._followers.deliver(event)
+
+    def relayed_delivery(self) -> AgentRelayedDelivery:
+        """The seam a live relay (:mod:`threadline.live`: ``await relay.subscribe(runtime)``) delivers other
+        processes' delivery events through: to this runtime's ``publish=`` callback and to the followers
+        of their runs, as if published here. With it, ``ticket.events()`` of a run another process executes
+        (``runs={"execute": False}``) yields that run's deltas, tool status and terminal, and its ticket
+        settles as soon as the relayed terminal arrives (see :mod:`threadline.following`). Close it when
+        the relay stops."""
+        return AgentRelayedDelivery(self._followers, self.publish)
 
     def operator_publish(self, event: Any) -> None:
         """Hand an operator event (run-started, step-finished, run-terminal) to the operator publisher."""
@@ -873,9 +883,16 @@ class AgentRuntime:
                     lambda: self.store.load_run(conversation_id=conversation_id, run_id=run_id)
                 )
                 if loaded is not None and loaded.run.terminal:
+                    if self._followers.relays and run_id in self._followers.by_run:
+                        # a live relay brings the terminal event after the commit: followers read it first
+                        await self._followers.wait_relayed_terminal(run_id, RELAYED_TERMINAL_GRACE)
+                    self._followers.settle_elsewhere(run_id, loaded)
                     self.waiters.resolve(run_id, self._result(loaded.run, loaded.assistant))
                     return
-                await asyncio.sleep(delay)
+                if self._followers.relays:  # a relayed terminal ends the wait at once
+                    await self._followers.wait_relayed_terminal(run_id, delay)
+                else:
+                    await asyncio.sleep(delay)
                 delay = min(delay * 2, self.runs.watch_interval)
         except Exception as error:
             self.waiters.reject(run_id, error)

@@ -8,18 +8,22 @@ run, delivery is serialized, and closing a connection or the server never closes
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from threadline import AgentConfigError, define_agent_tool
+from threadline.events import AssistantDeltaEvent
 from threadline.harness import (
+    AgentControlDeliveryBatch,
     AgentControlEventDelivery,
     AgentControlResyncDelivery,
     HeadlessAgentHarness,
     create_agent_harness_control_server,
 )
+from threadline.harness.fanout import start_delivery
 
 from .conftest import SECRET, WAIT, Scripted, make_harness, submit, text, wait_for
 
@@ -391,3 +395,146 @@ async def test_closing_connections_or_the_server_never_closes_the_harness(harnes
     assert result.terminal_reason == "success"
     server.close()  # idempotent
     await harness.close()
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def delta(n: int, conversation_id: str = "c1") -> AssistantDeltaEvent:
+    return AssistantDeltaEvent(
+        conversation_id=conversation_id, run_id="r1", runtime_epoch="e1", sequence=n, delta=f"w{n} "
+    )
+
+
+async def attach(connection: Any, conversation_id: str = "c1") -> None:
+    request = {"request_id": "r", "operation": "attach", "conversation_id": conversation_id, "access": "observe"}
+    assert (await asyncio.wait_for(connection.request(request), WAIT)).outcome == "ok"
+
+
+async def test_events_published_together_reach_each_connection_as_one_shared_batch(
+    harness: HeadlessAgentHarness,
+) -> None:
+    server = create_agent_harness_control_server(harness)
+    one: list[AgentControlDeliveryBatch] = []
+    two: list[AgentControlDeliveryBatch] = []
+    await attach(server.connect(id="a", deliver_batch=one.append, on_overflow=lambda d: None))
+    await attach(server.connect(id="b", deliver_batch=two.append, on_overflow=lambda d: None))
+    for n in (1, 2, 3):
+        harness.events.publish(delta(n))
+    harness.events.publish(delta(1, "elsewhere"))  # not attached: goes nowhere
+    await wait_for(lambda: one and two, "the batch")
+    assert len(one) == 1 and one[0] is two[0], "one batch object, shared"
+    assert [d.event.sequence for d in one[0]] == [1, 2, 3] and len(one[0]) == 3
+    text = one[0].json_text()
+    assert text is two[0].json_text(), "encoded once"
+    assert [item["event"]["delta"] for item in json.loads(text)] == ["w1 ", "w2 ", "w3 "]
+    harness.events.publish(delta(4))
+    await wait_for(lambda: len(one) == 2, "the next batch")
+    assert json.loads(one[1].json_text())["event"]["sequence"] == 4, "a batch of one is the delivery itself"
+
+
+async def test_what_arrives_during_a_blocked_write_follows_as_one_batch_and_never_overlaps(
+    harness: HeadlessAgentHarness,
+) -> None:
+    server = create_agent_harness_control_server(harness, max_pending_events=8)
+    release = asyncio.Event()
+    batches: list[list[int]] = []
+    active = 0
+    most = 0
+
+    async def write(batch: AgentControlDeliveryBatch) -> None:
+        nonlocal active, most
+        active += 1
+        most = max(most, active)
+        batches.append([d.event.sequence for d in batch])
+        if len(batches) == 1:
+            await release.wait()  # the socket is full: this write waits
+        active -= 1
+
+    await attach(server.connect(id="a", deliver_batch=write, on_overflow=lambda d: None))
+    seen: list[int] = []  # a viewer that keeps up shows when each hand-over happened
+    await attach(server.connect(id="w", deliver=lambda d: seen.append(d.event.sequence), on_overflow=print))
+    harness.events.publish(delta(1))
+    await wait_for(lambda: batches == [[1]], "the first write, which waits")
+    for n in (2, 3, 4):  # one at a time, each handed over while the first write still waits
+        harness.events.publish(delta(n))
+        await wait_for(lambda n=n: n in seen, f"event {n} handed over")
+    assert batches == [[1]]
+    release.set()
+    await wait_for(lambda: len(batches) == 2, "the waiting events, as one batch")
+    assert batches == [[1], [2, 3, 4]] and most == 1
+    harness.events.publish(delta(5))
+    await wait_for(lambda: len(batches) == 3, "the next batch")
+    assert batches[-1] == [5]
+
+
+async def test_a_blocked_batch_writer_is_detached_past_max_pending_events(harness: HeadlessAgentHarness) -> None:
+    server = create_agent_harness_control_server(harness, max_pending_events=4)
+    overflows: list[Any] = []
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def stuck(batch: AgentControlDeliveryBatch) -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    connection = server.connect(id="a", deliver_batch=stuck, on_overflow=overflows.append)
+    await attach(connection)
+    harness.events.publish(delta(1))
+    await asyncio.wait_for(entered.wait(), WAIT)
+    for n in range(2, 6):  # 4 waiting: at the bound, still attached
+        harness.events.publish(delta(n))
+    seen: list[int] = []
+    await attach(server.connect(id="w", deliver=lambda d: seen.append(d.event.sequence), on_overflow=print))
+    harness.events.publish(delta(6))  # a 5th waiting: one more than the bound
+    await wait_for(lambda: overflows, "the overflow")
+    assert [o.type for o in overflows] == ["resync-required"] and connection.closed
+    await asyncio.wait_for(cancelled.wait(), WAIT)  # the blocked write was cancelled
+    assert server.connection_count == 1
+
+
+async def test_connect_takes_exactly_one_way_to_deliver(harness: HeadlessAgentHarness) -> None:
+    server = create_agent_harness_control_server(harness)
+    for ways in ({}, {"deliver": print, "deliver_batch": print}):
+        with pytest.raises(AgentConfigError) as refused:
+            server.connect(id="a", on_overflow=print, **ways)
+        assert refused.value.field == "deliver"
+    assert server.connection_count == 0
+
+
+async def test_start_delivery_runs_a_write_that_need_not_wait_at_once_and_continues_one_that_must() -> None:
+    steps: list[str] = []
+
+    async def quick() -> None:
+        steps.append("quick")
+
+    assert start_delivery(quick()) is None and steps == ["quick"]  # done before start_delivery returned
+
+    gate = asyncio.Event()
+
+    async def waits() -> str:
+        steps.append("before")
+        await gate.wait()
+        steps.append("after")
+        return "written"
+
+    task = start_delivery(waits())
+    assert task is not None and steps[-1] == "before" and not task.done()
+    gate.set()
+    assert await asyncio.wait_for(task, WAIT) == "written" and steps[-1] == "after"
+
+    async def cancelled() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            steps.append("cleaned up")
+
+    task = start_delivery(cancelled())
+    assert task is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, WAIT)
+    assert steps[-1] == "cleaned up", "the cancellation reached the suspended write"

@@ -291,3 +291,45 @@ async def test_an_sse_reader_that_falls_behind_gets_resync_required_and_the_stre
         await writer.wait_closed()
         sock.close()
     await harness.close()
+
+
+def _chunks(body: bytes) -> list[bytes]:
+    """The chunks of a chunked HTTP body read so far (an incomplete last chunk is left out)."""
+    chunks, at = [], 0
+    while True:
+        end = body.find(b"\r\n", at)
+        if end < 0:
+            return chunks
+        size = int(body[at:end], 16)
+        if len(body) < end + 2 + size + 2:
+            return chunks
+        chunks.append(body[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+
+
+async def test_sse_events_that_waited_together_go_out_in_one_write(scripted: Scripted) -> None:
+    from threadline.events import AssistantDeltaEvent
+
+    harness = make_harness(scripted)
+    async with serving(create_agent_harness_app(harness)) as base:
+        host, port = base.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /conversations/c1/events HTTP/1.1\r\nHost: {base}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+        body = b""
+        while not any(b"event: snapshot" in c for c in _chunks(body)):
+            body += await asyncio.wait_for(reader.read(65536), WAIT)
+        for n in (1, 2, 3):  # published in one turn of the server's event loop
+            harness.events.publish(
+                AssistantDeltaEvent(conversation_id="c1", run_id="r1", runtime_epoch="e", sequence=n, delta=f"w{n}")
+            )
+        while sum(c.count(b"event: assistant-delta") for c in _chunks(body)) < 3:
+            body += await asyncio.wait_for(reader.read(65536), WAIT)
+        written = [c for c in _chunks(body) if b"assistant-delta" in c]
+        assert len(written) == 1, "one write"
+        ids = [line for line in written[0].split(b"\n") if line.startswith(b"id: ")]
+        assert ids == [b"id: 0:r1:e:1", b"id: 0:r1:e:2", b"id: 0:r1:e:3"]
+        writer.close()
+        await writer.wait_closed()
+    await harness.close()

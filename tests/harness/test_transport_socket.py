@@ -31,20 +31,23 @@ class Socket:
         self.ws = ws
         self.responses: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.events: list[dict[str, Any]] = []
+        self.messages: list[Any] = []  # as they arrived: one frame, or an array of event deliveries
         self.event_arrived = asyncio.Event()
         self.reader = asyncio.ensure_future(self._read())
         self.n = 0
 
     async def _read(self) -> None:
         async for raw in self.ws:
-            frame = json.loads(raw)
-            if frame["type"] == "response":
-                self.responses.setdefault(frame["request_id"], asyncio.get_running_loop().create_future()).set_result(
-                    frame
-                )
-            else:
-                self.events.append(frame)
-                self.event_arrived.set()
+            data = json.loads(raw)
+            self.messages.append(data)
+            for frame in data if isinstance(data, list) else [data]:  # a list: deliveries that waited together
+                if frame["type"] == "response":
+                    self.responses.setdefault(
+                        frame["request_id"], asyncio.get_running_loop().create_future()
+                    ).set_result(frame)
+                else:
+                    self.events.append(frame)
+                    self.event_arrived.set()
 
     async def request(self, operation: str, conversation_id: str = "c1", **fields: Any) -> dict[str, Any]:
         self.n += 1
@@ -229,3 +232,26 @@ def harness_with_gate(scripted: Scripted) -> tuple[HeadlessAgentHarness, asyncio
 
     harness.snapshot = snapshot  # type: ignore[method-assign]
     return harness, release
+
+
+async def test_events_that_waited_together_arrive_as_one_message_holding_a_json_array(scripted: Scripted) -> None:
+    from threadline.events import AssistantDeltaEvent
+
+    harness = make_harness(scripted)
+    async with serving(create_agent_harness_app(harness)) as base, connect(f"ws://{base}/control") as ws:
+        client = Socket(ws)
+        assert (await client.request("attach", access="observe"))["outcome"] == "ok"
+        for n in (1, 2, 3):  # published in one turn of the server's event loop
+            harness.events.publish(
+                AssistantDeltaEvent(conversation_id="c1", run_id="r1", runtime_epoch="e", sequence=n, delta=f"w{n}")
+            )
+        await client.until_event(lambda frame: frame["event"]["sequence"] == 3)
+        batch = client.messages[-1]
+        assert isinstance(batch, list), "one message: an array of the deliveries, in order"
+        assert [(f["type"], f["event"]["sequence"]) for f in batch] == [("event", 1), ("event", 2), ("event", 3)]
+        harness.events.publish(
+            AssistantDeltaEvent(conversation_id="c1", run_id="r1", runtime_epoch="e", sequence=4, delta="w4")
+        )
+        await client.until_event(lambda frame: frame["event"]["sequence"] == 4)
+        assert client.messages[-1]["type"] == "event", "alone, a delivery is its own message"
+    await harness.close()

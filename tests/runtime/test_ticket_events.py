@@ -12,7 +12,7 @@ from pydantic_ai.models.function import DeltaToolCall
 
 from threadline import AgentConfigError, ResyncEvent, define_agent_tool
 
-from .conftest import Script, make_runtime, submit
+from .conftest import Script, answer_text, make_runtime, submit
 
 WAIT = 10
 
@@ -207,3 +207,94 @@ async def test_capacity_must_be_positive(store: Any) -> None:
         ticket.events(capacity=0)
     await asyncio.wait_for(ticket.result, WAIT)
     await runtime.close()
+
+
+# ------------------------------------------------------------------ runs another process executes
+
+
+async def _admit_here_execute_there(store: Any, publish: Any) -> tuple[Any, Any, Any]:
+    """A runtime that only admits, and an executor over the same store publishing through ``publish`` (as
+    a worker process does through its live relay). Returns (web runtime, executor, serving task)."""
+    web = make_runtime(store, Script(), runs={"execute": False, "watch_interval": 0.05})
+    executor = make_runtime(store, Script(tool_then_words), tools=[slow_lookup], publish=publish)
+    serving = asyncio.ensure_future(executor.serve(resolve_context=lambda run: {"user_id": "u1"}, poll_interval=0.02))
+    return web, executor, serving
+
+
+async def _stop(*runtimes: Any, serving: Any) -> None:
+    for runtime in runtimes:
+        await runtime.close()
+    serving.cancel()
+
+
+async def test_relayed_events_reach_a_web_tickets_followers_in_the_executors_order(store: Any) -> None:
+    relayed: list[Any] = []
+    deliveries: list[Any] = []
+
+    def relay(event: Any) -> None:  # a perfect relay: every event of the executor, in order
+        relayed.append(event)
+        deliveries[0].publish(event)
+
+    web, executor, serving = await _admit_here_execute_there(store, relay)
+    deliveries.append(web.relayed_delivery())
+    ticket = submit(web, "k", "question")
+    followed = await collect(ticket.events())
+    result = await asyncio.wait_for(ticket.result, WAIT)
+    await _stop(web, executor, serving=serving)
+    mine = [e for e in relayed if e.run_id == result.run.id]
+    # this process's admission (and queued run-state), then exactly what the executor published
+    assert [e.type for e in followed[:2]] == ["admission", "run-state"]
+    assert followed[2:] == [e for e in mine if e.type != "admission"]
+    assert followed[-1].type == "terminal" and answer_text(result) == "Let me look. The answer is q."
+    assert not any(isinstance(e, ResyncEvent) for e in followed)
+
+
+async def test_a_loss_the_relay_reports_is_a_relay_gap_marker_where_it_was_noticed(store: Any) -> None:
+    deliveries: list[Any] = []
+    seen_deltas = 0
+
+    def lossy_relay(event: Any) -> None:
+        nonlocal seen_deltas
+        if event.type == "assistant-delta":
+            seen_deltas += 1
+            if seen_deltas in (2, 3):  # lost on the way, and the relay noticed
+                if seen_deltas == 2:
+                    deliveries[0].lost(event.conversation_id)
+                return
+        deliveries[0].publish(event)
+
+    web, executor, serving = await _admit_here_execute_there(store, lossy_relay)
+    deliveries.append(web.relayed_delivery())
+    ticket = submit(web, "k", "question")
+    followed = await collect(ticket.events())
+    await _stop(web, executor, serving=serving)
+    markers = [i for i, e in enumerate(followed) if isinstance(e, ResyncEvent)]
+    assert len(markers) == 1
+    marker = followed[markers[0]]
+    assert (marker.reason, marker.dropped, marker.conversation_id) == ("relay-gap", None, "c1")
+    deltas_before = [e.delta for e in followed[: markers[0]] if e.type == "assistant-delta"]
+    assert deltas_before == ["Let me look. "]
+    assert followed[-1].type == "terminal"
+
+
+async def test_a_terminal_the_relay_never_brought_comes_from_the_store_after_a_marker(store: Any) -> None:
+    web, executor, serving = await _admit_here_execute_there(store, None)  # the executor relays nothing
+    delivery = web.relayed_delivery()  # but this runtime is told a relay feeds it
+    ticket = submit(web, "k", "question")
+    followed = await collect(ticket.events())
+    result = await asyncio.wait_for(ticket.result, WAIT)
+    await _stop(web, executor, serving=serving)
+    delivery.close()
+    assert [e.type for e in followed] == ["admission", "run-state", "resync", "terminal"]
+    assert followed[2].reason == "relay-gap"
+    terminal = followed[3]
+    assert terminal.run_id == result.run.id and terminal.terminal_reason == "success"
+    assert terminal.assistant.id == result.assistant.id and terminal.version == result.run.version
+
+
+async def test_without_a_relay_a_web_ticket_ends_after_its_admission_as_before(store: Any) -> None:
+    web, executor, serving = await _admit_here_execute_there(store, None)
+    ticket = submit(web, "k", "question")
+    followed = await collect(ticket.events())
+    await _stop(web, executor, serving=serving)
+    assert [e.type for e in followed] == ["admission", "run-state"]

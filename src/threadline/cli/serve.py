@@ -136,6 +136,9 @@ async def _serve_http(
         lifespan="on",
         ws="websockets-sansio",
         ws_max_size=1_048_576,
+        # per-message compression keeps a zlib stream per socket: with many viewers of one conversation it
+        # would cost each event a compression per viewer, where an uncompressed frame is encoded once
+        ws_per_message_deflate=False,
         timeout_graceful_shutdown=5,
     )
     server = Server(config)

@@ -39,6 +39,7 @@ from .control_schema import (
     AgentControlResponse as AgentControlResponse,
     AgentControlResyncDelivery as AgentControlResyncDelivery,
 )
+from .fanout import AgentControlDeliveryBatch as AgentControlDeliveryBatch
 from .file_resources import (
     AgentHarnessFileLimits as AgentHarnessFileLimits,
     AgentHarnessFileResources as AgentHarnessFileResources,
@@ -63,6 +64,7 @@ __all__ = (
     "AGENT_CONTROL_RESPONSE_ADAPTER",
     "HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES",
     "AgentControlDelivery",
+    "AgentControlDeliveryBatch",
     "AgentControlError",
     "AgentControlErrorCode",
     "AgentControlErrorResponse",

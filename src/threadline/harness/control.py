@@ -14,12 +14,16 @@ Rules, and why:
   another connection holds it); ``submit``, ``interrupt`` and ``respond-approval`` need it
   (``LEASE_REQUIRED``); ``detach``, an ``observe`` re-attach or closing the connection releases it. The
   lease coordinates interactive controllers of this server; it is not a durable lock.
-- **Bounded, serialized delivery.** Each connection delivers its events one at a time, in order, through
-  ``deliver`` (sync or async), from a queue of at most ``max_pending_events``. A connection that falls that
-  far behind is detached at once: ``on_overflow`` (synchronous, required) receives ``resync-required`` and
-  must close or abort the transport — it is called while ``deliver`` may still be blocked, so it must not
-  write a second frame — and the client reconnects and attaches again. Publishing never waits for a
-  consumer, so a slow client never slows a run.
+- **Bounded, serialized delivery.** Each connection takes its events in order, one delivery at a time
+  through ``deliver`` or everything waiting at once through ``deliver_batch`` (an
+  :class:`~threadline.harness.fanout.AgentControlDeliveryBatch`: what a transport writes as one frame), sync
+  or async, never two at once. Events published in one turn of the event loop are handed to every
+  connection together after it (see :mod:`threadline.harness.fanout`); what arrives while a connection is
+  still delivering waits, at most ``max_pending_events`` of it. A connection that falls that far behind is
+  detached at once: ``on_overflow`` (synchronous, required) receives ``resync-required`` and must close or
+  abort the transport — it is called while a delivery may still be blocked, so it must not write a second
+  frame — and the client reconnects and attaches again. Publishing never waits for a consumer, so a slow
+  client never slows a run.
 - **Bounded attach reads.** At most ``max_pending_attachments`` attach snapshots are read at once on the
   server (``ATTACHMENT_CAPACITY``); one connection attaches a conversation once at a time
   (``ATTACH_IN_PROGRESS``, also for its other requests on that conversation meanwhile).
@@ -30,12 +34,12 @@ Rules, and why:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..delivery import AgentRuntimeEventSink, create_agent_runtime_event_sink
 from ..errors import AgentConfigError, ThreadlineError
 from .control_schema import (
     AgentControlErrorResponse,
@@ -52,6 +56,7 @@ from .control_schema import (
     control_error,
     parse_control_request,
 )
+from .fanout import AgentControlDeliveryBatch, start_delivery
 from .harness import HeadlessAgentHarness
 
 _log = logging.getLogger("threadline.harness.control")
@@ -71,13 +76,51 @@ def _positive(name: str, value: Any) -> int:
 @dataclass(eq=False)
 class _Connection:
     id: str
-    deliver: Callable[[Any], Any]
+    deliver: Callable[[AgentControlDeliveryBatch], Any]
     on_overflow: Callable[[AgentControlResyncDelivery], Any]
-    sink: AgentRuntimeEventSink | None = None
     attached: dict[str, Access] = field(default_factory=dict)
     attaching: set[str] = field(default_factory=set)
     overflowed: bool = False
     closed: bool = False
+    writing: asyncio.Future[Any] | None = None
+    """The delivery that had to wait (its transport's buffer was full); the next one starts after it."""
+    backlog: list[AgentControlEventDelivery] = field(default_factory=list)
+    """What arrived while ``writing``: delivered as one batch once it is done."""
+
+
+def _one_at_a_time(deliver: Callable[[AgentControlEventDelivery], Any], connection_id: str) -> Callable[..., Any]:
+    """A batch handed to a ``deliver`` that takes one delivery per call, in order, each failure isolated."""
+
+    def start_next(items: Iterator[AgentControlEventDelivery]) -> Any:
+        """Deliver until one delivery returns an awaitable (returned), or none is left (None)."""
+        for delivery in items:
+            try:
+                outcome = deliver(delivery)
+            except Exception as error:
+                _delivery_failed(connection_id, error)
+                continue
+            if inspect.isawaitable(outcome):
+                return outcome
+        return None
+
+    async def rest(outcome: Any, items: Iterator[AgentControlEventDelivery]) -> None:
+        while outcome is not None:
+            try:
+                await outcome
+            except Exception as error:
+                _delivery_failed(connection_id, error)
+            outcome = start_next(items)
+
+    def deliver_batch(batch: AgentControlDeliveryBatch) -> Any:
+        items = iter(batch.deliveries)
+        outcome = start_next(items)
+        return None if outcome is None else rest(outcome, items)
+
+    return deliver_batch
+
+
+def _delivery_failed(connection_id: str, error: BaseException) -> None:
+    _log.debug("delivery to control connection %s failed", connection_id, exc_info=error)
 
 
 class AgentHarnessControlConnection:
@@ -133,6 +176,9 @@ class AgentHarnessControlServer:
         self._controllers: dict[str, str] = {}
         self._pending_attachments = 0
         self._closed = False
+        self._published: dict[str, list[AgentControlEventDelivery]] = {}  # this loop turn's, by conversation
+        self._handing: asyncio.Handle | None = None
+        self._rest_until = 0.0  # loop time before which the next hand-over does not start
         self._unsubscribe = harness.subscribe(self._on_event)
 
     # ------------------------------------------------------------------------------------ surface
@@ -153,31 +199,30 @@ class AgentHarnessControlServer:
         self,
         *,
         id: str,
-        deliver: Callable[[AgentControlEventDelivery], Any],
+        deliver: Callable[[AgentControlEventDelivery], Any] | None = None,
         on_overflow: Callable[[AgentControlResyncDelivery], Any],
+        deliver_batch: Callable[[AgentControlDeliveryBatch], Any] | None = None,
     ) -> AgentHarnessControlConnection:
-        """Register one client. ``deliver(delivery)`` (sync or async) receives its events one at a time;
-        ``on_overflow(delivery)`` is called synchronously, once, when it fell ``max_pending_events`` behind
-        (see the module docstring). Raises :class:`~threadline.errors.AgentConfigError` for a duplicate
-        ``id`` or after :meth:`close`."""
+        """Register one client, with one of two ways to receive its events: ``deliver(delivery)`` (sync or
+        async) takes them one at a time; ``deliver_batch(batch)`` (sync or async) takes everything waiting
+        at once (:class:`~threadline.harness.fanout.AgentControlDeliveryBatch`, in order) — what a transport
+        writes as one frame. ``on_overflow(delivery)`` is called synchronously, once, when the client fell
+        ``max_pending_events`` behind (see the module docstring). Raises
+        :class:`~threadline.errors.AgentConfigError` for a duplicate ``id``, both or neither of ``deliver``
+        and ``deliver_batch``, or after :meth:`close`."""
         if self._closed:
             raise AgentConfigError("the control server is closed; it accepts no connection", field="connect")
         if not isinstance(id, str) or not id:
             raise AgentConfigError("a connection id is a non-empty string", field="id")
         if id in self._connections:
             raise AgentConfigError(f"connection id {id!r} is already connected", field="id")
-        if not callable(deliver) or not callable(on_overflow):
-            raise AgentConfigError("connect needs callable deliver and on_overflow", field="deliver")
-        state = _Connection(id=id, deliver=deliver, on_overflow=on_overflow)
-        state.sink = create_agent_runtime_event_sink(
-            deliver=deliver,
-            capacity=self.max_pending_events,
-            deduplicate=False,
-            on_drop=lambda delivery, reason: self._dropped(state, delivery, reason),
-            on_publish_error=lambda error, _delivery: _log.debug(
-                "delivery to control connection %s failed", id, exc_info=error
-            ),
-        )
+        if (deliver is None) == (deliver_batch is None):
+            raise AgentConfigError("connect takes one of deliver and deliver_batch", field="deliver")
+        receive = deliver_batch if deliver is None else deliver
+        if not callable(receive) or not callable(on_overflow):
+            raise AgentConfigError("connect needs a callable deliver and on_overflow", field="deliver")
+        batches = deliver_batch if deliver is None else _one_at_a_time(deliver, id)
+        state = _Connection(id=id, deliver=batches, on_overflow=on_overflow)  # type: ignore[arg-type]
         self._connections[id] = state
         return AgentHarnessControlConnection(self, state)
 
@@ -193,21 +238,77 @@ class AgentHarnessControlServer:
     # ------------------------------------------------------------------------------------ delivery
 
     def _on_event(self, event: Any) -> None:
-        observers = self._observers.get(event.conversation_id)
-        if not observers:
+        # constant work per event, whatever the number of viewers: they are handed this loop turn's events
+        # together, after it (_hand_over)
+        if event.conversation_id not in self._observers:
             return
-        # one delivery per event, shared by every connection (a transport encodes it once)
         delivery = AgentControlEventDelivery.model_construct(event=event)
         object.__setattr__(delivery, "__pydantic_private__", {"_event_json": None, "_json": None})  # the encoding cache
-        for state in tuple(observers):
-            if not state.overflowed:
-                state.sink.publish(delivery)  # type: ignore[union-attr]
+        published = self._published.get(event.conversation_id)
+        if published is None:
+            self._published[event.conversation_id] = [delivery]
+        else:
+            published.append(delivery)
+        if self._handing is None:
+            loop = asyncio.get_running_loop()
+            if self._rest_until > loop.time():
+                self._handing = loop.call_at(self._rest_until, self._hand_over)
+            else:
+                self._handing = loop.call_soon(self._hand_over)
 
-    def _dropped(self, state: _Connection, delivery: Any, reason: str) -> None:
-        if reason != "capacity" or state.overflowed or state.closed:
+    def _hand_over(self) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            self._hand_over_now()
+        finally:
+            # the next hand-over waits as long as this one took: writing to many viewers never takes more
+            # than half of the event loop (a run executing in this process keeps the rest), and what is
+            # published meanwhile goes out together, in fewer writes
+            self._handing = None
+            ended = loop.time()
+            self._rest_until = ended + (ended - began)
+
+    def _hand_over_now(self) -> None:
+        published, self._published = self._published, {}
+        for conversation_id, deliveries in published.items():
+            observers = self._observers.get(conversation_id)
+            if not observers:
+                continue
+            batch = AgentControlDeliveryBatch(deliveries)  # one per conversation: encoded once for everyone
+            for state in tuple(observers):
+                if state.overflowed or state.closed:
+                    continue
+                if state.writing is None:
+                    self._deliver(state, batch)
+                    continue
+                state.backlog.extend(batch.deliveries)
+                if len(state.backlog) > self.max_pending_events:
+                    self._overflow(state, conversation_id)
+
+    def _deliver(self, state: _Connection, batch: AgentControlDeliveryBatch) -> None:
+        try:
+            outcome = state.deliver(batch)
+            waiting = start_delivery(outcome) if inspect.isawaitable(outcome) else None
+        except Exception as error:
+            _delivery_failed(state.id, error)
             return
+        if waiting is not None:
+            state.writing = waiting
+            waiting.add_done_callback(lambda done: self._delivered(state, done))
+
+    def _delivered(self, state: _Connection, done: asyncio.Future[Any]) -> None:
+        state.writing = None
+        if not done.cancelled() and done.exception() is not None:
+            _delivery_failed(state.id, done.exception())  # type: ignore[arg-type]
+        if state.closed or not state.backlog:
+            return
+        backlog, state.backlog = state.backlog, []
+        self._deliver(state, AgentControlDeliveryBatch(backlog))
+
+    def _overflow(self, state: _Connection, conversation_id: str) -> None:
         state.overflowed = True
-        resync = AgentControlResyncDelivery(conversation_id=delivery.event.conversation_id)
+        resync = AgentControlResyncDelivery(conversation_id=conversation_id)
         _log.info("control connection %s fell %d events behind; detached", state.id, self.max_pending_events)
         try:
             state.on_overflow(resync)
@@ -224,13 +325,10 @@ class AgentHarnessControlServer:
         state.attached.clear()
         if self._connections.get(state.id) is state:
             del self._connections[state.id]
-        sink = state.sink
-        if sink is not None:
-            try:
-                closing = asyncio.ensure_future(sink.aclose(timeout=0))
-                closing.add_done_callback(lambda t: t.cancelled() or t.exception())
-            except RuntimeError:  # no running loop (closed from synchronous teardown): nothing is delivering
-                pass
+        state.backlog.clear()
+        writing, state.writing = state.writing, None
+        if writing is not None:
+            writing.cancel()  # a delivery blocked on a transport that is going away
 
     def _observe(self, state: _Connection, conversation_id: str, access: Access) -> None:
         state.attached[conversation_id] = access

@@ -145,17 +145,24 @@ class AgentControlEventDelivery(_Wire):
     _event_json: str | None = PrivateAttr(default=None)
     _json: str | None = PrivateAttr(default=None)
 
+    # the cache is read from ``__pydantic_private__`` directly: a private attribute read through pydantic's
+    # ``__getattr__`` costs more than the rest of a delivery to one viewer
+
     def event_json(self) -> str:
         """The event as JSON text, encoded once for every connection."""
-        if self._event_json is None:
-            self._event_json = self.event.model_dump_json()
-        return self._event_json
+        private = self.__pydantic_private__
+        text = private.get("_event_json")  # type: ignore[union-attr]
+        if text is None:
+            text = private["_event_json"] = self.event.model_dump_json()  # type: ignore[index]
+        return text  # type: ignore[no-any-return]
 
     def json_text(self) -> str:
         """This delivery as JSON text, encoded once for every connection."""
-        if self._json is None:
-            self._json = '{"schema_version":1,"type":"event","event":' + self.event_json() + "}"
-        return self._json
+        private = self.__pydantic_private__
+        text = private.get("_json")  # type: ignore[union-attr]
+        if text is None:
+            text = private["_json"] = '{"schema_version":1,"type":"event","event":' + self.event_json() + "}"  # type: ignore[index]
+        return text  # type: ignore[no-any-return]
 
 
 class AgentControlResyncDelivery(_Wire):

@@ -33,6 +33,7 @@ from typing import Any
 from ..coordinator import call_maybe_async
 from ..errors import AgentContextOverflowError, AgentRuntimeUsageError
 from ..events import delivered_message
+from ..following import AgentRelayedDelivery
 from ..history.prompt import AgentPrompt, compose_agent_prompt
 from ..protocol import AgentProtocol
 from ..records import ConversationSnapshot
@@ -143,6 +144,13 @@ class HeadlessAgentHarness:
         """Receive delivery events from now on (all, or one conversation's); returns the unsubscribe
         function. ``listener`` must not block: hand the event to a bounded queue of your own."""
         return self.events.subscribe(listener, conversation_id=conversation_id)
+
+    def relayed_delivery(self) -> AgentRelayedDelivery:
+        """The runtime's seam for other processes' events
+        (:meth:`AgentRuntime.relayed_delivery <threadline.AgentRuntime.relayed_delivery>`): what
+        ``await relay.subscribe(harness)`` feeds. They reach the application's ``publish``, the event hub
+        (every transport) and the tickets' followers."""
+        return self.runtime.relayed_delivery()
 
     async def pending_approvals(self, conversation_id: str) -> list[Any]:
         """Unanswered approval requests, derived from the stored history."""

@@ -11,12 +11,14 @@ The seam, on both sides one call::
     # the web process (admits, serves subscribers)
     async with create_agent_live_relay(store) as relay:
         harness = create_headless_agent_harness(..., runs={"execute": False}, publish=relay.publish)
-        await relay.subscribe(harness)       # or an AgentEventHub, or any callable taking one event
+        await relay.subscribe(harness)       # or a runtime, an AgentEventHub, or a callable taking one event
 
 The worker's runtime hands every delivery event to :meth:`AgentLiveRelay.publish`; the web process's
-:class:`AgentLiveSubscription` re-publishes them into the same seam its own runtime's events go through
-(the harness's event hub), so the control server, SSE streams and the Vercel AI endpoint serve them with
-no change. The web process's ``publish=relay.publish`` lets other web processes see its admissions too.
+:class:`AgentLiveSubscription` re-publishes them into the same seam its own runtime's events go through —
+for a runtime or a harness its ``relayed_delivery()``: the ``publish=`` callback (a harness's event hub) and
+the followers of ``ticket.events()`` — so the control server, SSE streams, the Vercel AI endpoint and the
+tickets serve them with no change. The web process's ``publish=relay.publish`` lets other web processes see
+its admissions too; what its subscription delivers is not sent out again.
 
 Transport: on PostgreSQL LISTEN/NOTIFY on a channel of the relay's own, with frames larger than a NOTIFY
 payload (8,000 bytes) in the relay table ``<schema>.live_relay``; on SQLite (processes on one machine) the

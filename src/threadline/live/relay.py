@@ -164,6 +164,9 @@ class AgentLiveRelay:
         if self._closed:
             self.dropped += 1
             return
+        for subscription in self._subscriptions:
+            if subscription.emitting:
+                return  # another process's event this relay's subscription is delivering here: sent already
         try:
             if not isinstance(event, BaseModel):
                 event = AGENT_RUNTIME_EVENT_ADAPTER.validate_python(event)
@@ -277,9 +280,11 @@ class AgentLiveRelay:
 
     async def subscribe(self, target: Any, *, max_pending_frames: int = MAX_PENDING_FRAMES) -> AgentLiveSubscription:
         """Re-publish the delivery events other processes send through this store's relay into ``target``
-        — a harness (its event hub), an :class:`~threadline.harness.AgentEventHub`, or a callable taking
-        one event — from now on, healing gaps from the store. Frames sent before this returns may be
-        missed (reload the snapshot on attach, as always). Opens the relay if needed."""
+        from now on, healing gaps from the store. ``target`` is a runtime or a harness (through
+        :meth:`~threadline.runtime.AgentRuntime.relayed_delivery`: its ``publish=`` callback — for a
+        harness, its event hub — and the followers of ``ticket.events()`` receive them), an
+        :class:`~threadline.harness.AgentEventHub`, or a callable taking one event. Frames sent before this
+        returns may be missed (reload the snapshot on attach, as always). Opens the relay if needed."""
         await self.open()
         subscription = AgentLiveSubscription(
             store=self.store, target=target, fetch=self._backend.fetch, max_pending_frames=max_pending_frames

@@ -97,19 +97,34 @@ def _remember(runs: OrderedDict[str, None], run_id: str) -> None:
         runs.popitem(last=False)
 
 
-def _resolve_target(target: Any) -> tuple[Callable[[Any], Any], Callable[..., Any] | None]:
-    """``publish`` and, for an event hub, ``subscribe`` of what a subscription re-publishes into."""
-    hub = getattr(target, "events", None)
-    if hub is not None and callable(getattr(hub, "publish", None)):
-        target = hub  # a harness: its event hub
+@dataclass
+class _Target:
+    """Where a subscription re-publishes: ``publish`` one event; ``lost`` tells the target events of a
+    conversation (all: None) were lost, when it can use that; ``subscribe`` (an event hub's) lets the
+    subscription see what this process publishes itself; ``close`` releases the target's seam."""
+
+    publish: Callable[[Any], Any]
+    lost: Callable[[str | None], Any] | None = None
+    subscribe: Callable[..., Any] | None = None
+    close: Callable[[], Any] | None = None
+
+
+def _resolve_target(target: Any) -> _Target:
+    relayed = getattr(target, "relayed_delivery", None)
+    if callable(relayed):
+        # a runtime or a harness: through the runtime, so tickets' followers receive the events too
+        delivery = relayed()
+        hub = getattr(target, "events", None)
+        subscribe = getattr(hub, "subscribe", None)
+        return _Target(delivery.publish, delivery.lost, subscribe if callable(subscribe) else None, delivery.close)
     publish = getattr(target, "publish", None)
     if callable(publish):
         subscribe = getattr(target, "subscribe", None)
-        return publish, subscribe if callable(subscribe) else None
+        return _Target(publish, subscribe=subscribe if callable(subscribe) else None)
     if callable(target):
-        return target, None
+        return _Target(target)
     raise AgentRuntimeUsageError(
-        f"target is an event hub, a harness or a callable taking one event, got {type(target).__name__}"
+        f"target is a runtime, a harness, an event hub or a callable taking one event, got {type(target).__name__}"
     )
 
 
@@ -127,7 +142,8 @@ class AgentLiveSubscription:
         max_pending_frames: int = MAX_PENDING_FRAMES,
     ) -> None:
         self._store = store
-        self._publish, subscribe = _resolve_target(target)
+        self._target = _resolve_target(target)
+        self._publish = self._target.publish
         self._fetch = fetch
         self._max_pending = max_pending_frames
         self._queue: deque[IncomingFrame | RelayGap] = deque()
@@ -138,14 +154,21 @@ class AgentLiveSubscription:
         self._heal_everything = False
         self._heal_retry_at = 0.0
         self._emitting = False
+        self._told_lost: set[str] = set()  # conversations whose loss the target heard of, until healed
         self._closed = False
         self._stop_listening: Callable[[], Awaitable[None]] | None = None
+        subscribe = self._target.subscribe
         self._unobserve = subscribe(self._observe) if subscribe is not None else None
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.frames = self.events = self.delivered = 0
         self.gaps = self.late = self.heals = self.healed_events = self.heal_failures = self.dropped_frames = 0
+
+    @property
+    def emitting(self) -> bool:
+        """Whether this subscription is handing an event on right now (its relay does not send it again)."""
+        return self._emitting
 
     def _start(self, stop_listening: Callable[[], Awaitable[None]]) -> None:
         self._stop_listening = stop_listening
@@ -271,6 +294,7 @@ class AgentLiveSubscription:
         if classification == "gap":
             self.gaps += 1
             self._wants((event.conversation_id,))
+            self._lose(event.conversation_id)  # before the event that shows the loss
         if durable:
             followed.floor = event.version if followed.floor is None else max(followed.floor, event.version)
         if kind == "terminal" or (kind == "run-state" and event.terminal_reason == "absorbed"):
@@ -283,6 +307,17 @@ class AgentLiveSubscription:
             _remember(followed.active, run_id)
         followed.cursor = advanced
         self._emit(event)
+
+    def _lose(self, conversation_id: str) -> None:
+        """Tell the target (a runtime's followers) that events of the conversation were lost, once per
+        loss: the marker stands before the gap's event or the healed events."""
+        if self._target.lost is None or conversation_id in self._told_lost:
+            return
+        self._told_lost.add(conversation_id)
+        try:
+            self._target.lost(conversation_id)
+        except Exception:
+            _log.warning("telling the target of a live gap failed; delivery goes on", exc_info=True)
 
     def _emit(self, event: Any) -> None:
         self._emitting = True
@@ -346,6 +381,8 @@ class AgentLiveSubscription:
             if seam is None or version >= seam:
                 break
         events = healing_events(conversation_id, version, runs, messages, since=since_used)
+        self._lose(conversation_id)
+        self._told_lost.discard(conversation_id)
         for event in events:
             advanced, classification = advance_agent_runtime_event_cursor(followed.cursor, event)
             if classification == "duplicate":
@@ -424,6 +461,8 @@ class AgentLiveSubscription:
         self._queue.clear()
         if self._unobserve is not None:
             self._unobserve()
+        if self._target.close is not None:
+            self._target.close()
         stop, self._stop_listening = self._stop_listening, None
         if stop is not None:
             await stop()

@@ -1,7 +1,10 @@
 """``/control``: the control protocol (:mod:`threadline.harness.control_schema`) over one WebSocket.
 
 Client → server: one request per text message. Server → client: ``{"type": "response", ...}`` answering a
-request (same ``request_id``), and the control server's deliveries, ``{"type": "event", "event": ...}``.
+request (same ``request_id``), and the control server's deliveries, ``{"type": "event", "event": ...}`` —
+one per message, or, when several were waiting for this socket (events published together, or a client
+that fell behind), a JSON array of them in order in one message. A client parses each message and, when
+it is an array, handles its elements in order.
 Requests run concurrently (an ``attach`` may wait for its snapshot while a ``submit`` goes on), at most
 ``max_pending_requests`` at once (then ``REQUEST_CAPACITY``); frames are written one at a time.
 
@@ -84,8 +87,12 @@ async def control_socket(websocket: WebSocket) -> None:
     closing: list[asyncio.Future[None]] = []
     limit = state.settings.max_pending_requests
 
-    async def deliver(delivery: Any) -> None:
-        await socket.send(delivery.json_text())
+    async def deliver(batch: Any) -> None:
+        # the batch's text is encoded once for every socket it goes to; a frame is written whole by the
+        # server, so a delivery needs no lock against a response (only the close must come last)
+        if socket.closed:
+            raise ConnectionError("the socket is closed")
+        await websocket.send({"type": "websocket.send", "text": batch.json_text()})
 
     async def answer(raw: Any) -> None:
         response = await connection.request(raw)
@@ -131,7 +138,9 @@ async def control_socket(websocket: WebSocket) -> None:
         closing.append(asyncio.ensure_future(resync()))
 
     try:
-        connection = state.control.connect(id=f"ws-{uuid.uuid4().hex}", deliver=deliver, on_overflow=on_overflow)
+        connection = state.control.connect(
+            id=f"ws-{uuid.uuid4().hex}", deliver_batch=deliver, on_overflow=on_overflow
+        )
     except Exception:  # the control server closed: the app is shutting down
         receiving.cancel()
         await socket.close(1001, "shutting down")

@@ -140,7 +140,11 @@
       setConnection("open");
       if (page.current) attach(page.current);
     };
-    socket.onmessage = (message) => receive(JSON.parse(message.data));
+    socket.onmessage = (message) => {
+      const data = JSON.parse(message.data);
+      // one frame, or an array of event deliveries that were waiting for this socket together, in order
+      for (const frame of Array.isArray(data) ? data : [data]) receive(frame);
+    };
     socket.onclose = (closed) => {
       if (page.socket !== socket) return;
       for (const { reject } of page.pending.values()) reject(new Error("the connection closed"));

@@ -86,3 +86,17 @@ async def test_an_escaped_background_process_dies_with_the_sandbox(make_tools, w
     result = await asyncio.wait_for(tools.call("run_command", executable="py", args=["-c", script]), 30)
     assert result["stdout"] == "leader done\n" and result["outcome"] == "exited"
     assert not (workspace / "late.txt").exists()
+
+
+async def test_an_executable_under_the_hosts_tmp_still_runs(make_tools, tmp_path: Path) -> None:
+    # a virtual environment under /tmp (a CI clone's): its interpreter is bound on top of the private /tmp,
+    # not hidden by it, and the rest of the host's /tmp stays invisible
+    link = tmp_path / "venv" / "bin" / "python"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(PY)
+    assert str(link).startswith("/tmp/")
+    tools = make_tools(executables={"py": str(link)}, sandbox="bubblewrap")
+    script = f"import os; print('ran', os.path.exists({str(tmp_path / 'host-only')!r}))"
+    (tmp_path / "host-only").write_text("x")
+    result = await asyncio.wait_for(tools.call("run_command", executable="py", args=["-c", script]), 30)
+    assert (result["exit_code"], result["stdout"]) == (0, "ran False\n"), result

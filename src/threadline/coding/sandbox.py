@@ -61,13 +61,15 @@ class BubblewrapLauncher:
             "--unshare-all",
             "--die-with-parent",
             "--new-session",
+            # the private /tmp first: bwrap mounts in order, so an executable bound from under the host's /tmp
+            # (a virtual environment there) lands on top of it instead of being hidden by it
+            "--tmpfs",
+            "/tmp",
             *self.mounts,
             "--proc",
             "/proc",
             "--dev",
             "/dev",
-            "--tmpfs",
-            "/tmp",
             "--bind",
             root,
             root,

@@ -300,6 +300,8 @@ async def profiled(store: AgentRuntimeStore, body: Callable[[], Awaitable[Batch]
     on_worker = config.startswith("sqlite") and await driver_call(store, worker_prof.enable)
     loop_prof.enable()
     batch = await body()
+    if os.environ.get("PROFILE_OUT"):
+        loop_prof.dump_stats(os.environ["PROFILE_OUT"])
     loop_prof.disable()
     if on_worker:
         await driver_call(store, worker_prof.disable)

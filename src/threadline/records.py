@@ -86,7 +86,8 @@ def check_id(value: object, field: str) -> None:
 
 class _Record(BaseModel):
     model_config = ConfigDict(
-        frozen=True, extra="forbid", populate_by_name=True, json_schema_serialization_defaults_required=True
+        frozen=True, extra="forbid", populate_by_name=True, json_schema_serialization_defaults_required=True,
+        defer_build=True,
     )
 
 
@@ -214,7 +215,7 @@ Part = Annotated[
     | InputJoinedPart,
     Field(discriminator="type"),
 ]
-PARTS_ADAPTER: TypeAdapter[list[Part]] = TypeAdapter(list[Part])
+PARTS_ADAPTER: TypeAdapter[list[Part]] = TypeAdapter(list[Part], config=ConfigDict(defer_build=True))
 _PART_TYPES = frozenset(get_args(get_args(Part)[0]))
 
 

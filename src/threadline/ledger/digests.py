@@ -12,9 +12,9 @@ body (:func:`check_provider_requests`).
 A message body is the pydantic-ai ``ModelMessage`` as JSON without what is never sent to a provider
 (the message's and its parts' timestamps, usage, run ids, ``None`` fields), binary content replaced by
 ``{binary, sha256, bytes}``. Its digest is the SHA-256 of its canonical JSON (:func:`canonical`: keys sorted,
-no insignificant whitespace, UTF-8, no NaN or infinity). Not RFC 8785, which the archive uses: a digest is
-computed for every message of every request, and the standard library's C encoder is an order of magnitude
-cheaper than a pure-Python RFC 8785 one; both are deterministic, and the journal's checker uses this one.
+no insignificant whitespace, UTF-8, orjson's number spelling). Not RFC 8785, which the archive uses: a digest
+is computed for every message of every request, and orjson is two orders of magnitude cheaper than a
+pure-Python RFC 8785 encoder; both are deterministic, and the journal's checker uses this one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from collections.abc import Iterable, Sequence
 from datetime import date, datetime
 from typing import Any
 
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
+import orjson
+from pydantic import TypeAdapter
+from pydantic_ai.messages import ModelMessage
 
 __all__ = [
     "EMPTY_CHAIN",
@@ -74,13 +76,18 @@ def _binary(item: Any) -> Any:
 
 
 def _part(part: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in part.items() if k not in _NOT_SENT}
-    content = out.get("content")
+    content = part.get("content")
     if type(content) is list:
-        out["content"] = [_binary(item) for item in content]
+        part["content"] = [_binary(item) for item in content]
     elif type(content) is dict:
-        out["content"] = _binary(content)
-    return out
+        part["content"] = _binary(content)
+    return part
+
+
+_MESSAGE = TypeAdapter(ModelMessage)
+_EXCLUDE = {**dict.fromkeys(_NOT_SENT, True), "parts": {"__all__": dict.fromkeys(_NOT_SENT, True)}}
+"""What a body leaves out, told to the serializer: what is never written costs nothing (a response's usage
+and timestamps were most of its serialization)."""
 
 
 def message_body(message: ModelMessage) -> Any:
@@ -88,9 +95,8 @@ def message_body(message: ModelMessage) -> Any:
     without its ``None`` fields, and without the bookkeeping of the message and of each part
     (:data:`_NOT_SENT`); what a part carries (text, arguments, a tool's result) is kept exactly, binary
     content as its digest and size."""
-    data = ModelMessagesTypeAdapter.dump_python([message], mode="json", exclude_none=True)[0]
-    body = {k: v for k, v in data.items() if k not in _NOT_SENT}
-    body["parts"] = [_part(p) for p in data.get("parts", ())]
+    body = _MESSAGE.dump_python(message, mode="json", exclude_none=True, exclude=_EXCLUDE)
+    body["parts"] = [_part(p) for p in body.get("parts", ())]
     return body
 
 
@@ -98,9 +104,14 @@ _CANONICAL = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=Tru
 
 
 def canonical(value: Any) -> bytes:
-    """``value`` (JSON data) as the canonical bytes a digest is taken of (a lone surrogate is kept as its
-    bytes rather than refused: a provider's message may carry one)."""
-    return _CANONICAL.encode(value).encode("utf-8", "surrogatepass")
+    """``value`` (JSON data) as the canonical bytes a digest is taken of: orjson with sorted keys (a float
+    that is not finite is written ``null``, as the stored body has it). What orjson cannot write (a lone
+    surrogate, which a provider's message may carry; an integer beyond 64 bits) is written by the standard
+    library's encoder instead, the surrogate kept as its bytes: the same value always takes the same path."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return _CANONICAL.encode(value).encode("utf-8", "surrogatepass")
 
 
 def message_digest(body: Any) -> str:
@@ -141,12 +152,29 @@ class PrefixDigests:
         """(count, sha256) of the last prefix a committed request named."""
         self.bodies_recorded: set[str] = set()
         """Digests this process saw committed as ``provider/message`` bodies (bounded)."""
+        self.tail: dict[int, tuple[ModelMessage, Any, str]] = {}
+        """Live-tail messages digested by an earlier request, by identity (each keeps its message alive, so
+        an id is never reused while it is here): a run of many steps sends the same tail objects again, and
+        digesting each once keeps a run's requests linear in its length."""
+
+    def tail_digest(self, message: ModelMessage) -> tuple[Any, str]:
+        """The body and digest of a live-tail message, digested once per message object."""
+        known = self.tail.get(id(message))
+        if known is not None and known[0] is message:
+            return known[1], known[2]
+        if len(self.tail) >= 256:
+            self.tail.clear()
+        body = message_body(message)
+        sha = message_digest(body)
+        self.tail[id(message)] = (message, body, sha)
+        return body, sha
 
     def update(self, owner: object, built: Sequence[ModelMessage], count: int) -> dict[str, Any]:
         """Bring the digests up to ``built[:count]`` (``owner``: the projection they belong to). Returns
         the bodies digested now, by digest."""
         if owner is not self.owner:
             self.owner, self.messages, self.shas, self.chains = owner, [], [], [EMPTY_CHAIN]
+            self.tail.clear()
         n = len(self.messages)
         while n and (n > count or built[n - 1] is not self.messages[n - 1]):
             n -= 1

@@ -111,7 +111,7 @@ children, retries, the sandbox, approval rejections, durability)."""
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 # ---------------------------------------------------------------------------------------------- envelope
@@ -522,7 +522,7 @@ class _Open(BaseModel):
     the sandbox, durability parks): the fields every producer writes are checked, a companion may add
     its own."""
 
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(frozen=True, extra="allow", defer_build=True)
 
 
 class StateSetRecord(_Open):
@@ -554,7 +554,7 @@ class OpenRecord(_Open):
 
 PAYLOAD_RECORDS: dict[str, Any] = {
     "runtime/baseline": BaselineRecord,
-    "runtime/transition": TypeAdapter(AgentStoreTransitionRecord),
+    "runtime/transition": TypeAdapter(AgentStoreTransitionRecord, config=ConfigDict(defer_build=True)),
     "runtime/branch-observation": BranchObservationRecord,
     "provider/request": ProviderRequestRecord,
     "provider/response": ProviderResponseRecord,

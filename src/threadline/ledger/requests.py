@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic_ai.messages import ModelMessage
 
-from .digests import PrefixDigests, instructions_digest, message_body, message_digest
+from .digests import PrefixDigests, instructions_digest, message_body
 from .events import AgentStoreEventDraft, runtime_draft
 
 __all__ = ["provider_request_records"]
@@ -41,8 +41,9 @@ def provider_request_records(
     built: Sequence[ModelMessage] = projection.built if projection is not None else ()
     count = _settled_count(built, messages)
     fresh = state.update(projection, built, count)
-    tail_bodies = [message_body(m) for m in messages[count:]]
-    tail = [message_digest(b) for b in tail_bodies]
+    digested = [state.tail_digest(m) for m in messages[count:]]
+    tail_bodies = [body for body, _ in digested]
+    tail = [sha for _, sha in digested]
     base = state.base()
     start = base[0] if base is not None else 0
     added = state.shas[start:count]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import AgentRecordValidationError, AgentStoreCapabilityError
 from ..ledger.events import (
@@ -59,7 +59,7 @@ from .results import (
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
-_CLAIMS = TypeAdapter(list[AbsorbClaim])
+_CLAIMS = TypeAdapter(list[AbsorbClaim], config=ConfigDict(defer_build=True))
 
 
 def _utcnow() -> datetime:

@@ -7,12 +7,15 @@ an unknown ``schema_version`` :class:`~threadline.errors.AgentRecordSchemaVersio
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import zlib
 from collections.abc import Callable
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
@@ -32,10 +35,23 @@ def encode(record: BaseModel) -> str:
     return type(record).__pydantic_serializer__.to_json(record, context=STORAGE).decode()
 
 
-_EVENT_JSON = json.JSONEncoder(
-    ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=lambda value: to_jsonable_python(value)
+_EVENT_OPTIONS = (
+    orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_NON_STR_KEYS
 )
-"""A record inside a payload (a run's usage carries its cost record) is written as pydantic writes it."""
+"""Anything that is not plain JSON data (a record inside a payload: a run's usage carries its cost record; a
+datetime; a ``str`` or ``dict`` subclass) goes through :func:`_jsonable`, so it is written as pydantic
+writes it, not as orjson would on its own."""
+
+
+def _jsonable(value: object) -> object:
+    return to_jsonable_python(value)
+
+
+_EVENT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_jsonable)
+"""What orjson cannot write (an integer beyond 64 bits) is written by the standard library's encoder."""
 
 
 def _stamp(at: datetime) -> str:
@@ -45,9 +61,15 @@ def _stamp(at: datetime) -> str:
 
 
 def encode_event(event: AgentStoreEvent) -> str:
-    """The stored JSON of a ledger event (what :func:`encode` gives, read back the same), written by the
-    standard library's C encoder: an event's payload is plain JSON data already, and pydantic's encoder for
-    a free-form JSON value inspects every node of it (most of a ledger write's cost)."""
+    """The stored JSON of a ledger event (what :func:`encode` gives, read back the same)."""
+    return encode_event_bytes(event).decode()
+
+
+def encode_event_bytes(event: AgentStoreEvent) -> bytes:
+    """:func:`encode_event` as UTF-8 bytes, written by orjson: an event's payload is plain JSON data already,
+    and both pydantic's encoder for a free-form value (which inspects every node) and the standard
+    library's cost an order of magnitude more (JSON encoding was the largest part of a ledger write).
+    A float that is not finite is written ``null``, as JSON has no spelling for it."""
     values = event.__dict__
     envelope: dict[str, object] = {
         "schema_version": values["schema_version"],
@@ -60,7 +82,10 @@ def encode_event(event: AgentStoreEvent) -> str:
     }
     if values["ignorable"]:
         envelope["ignorable"] = True
-    return _EVENT_JSON.encode(envelope)
+    try:
+        return orjson.dumps(envelope, default=_jsonable, option=_EVENT_OPTIONS)
+    except orjson.JSONEncodeError:
+        return _EVENT_JSON.encode(envelope).encode()
 
 
 def encode_with(record: BaseModel, field: str, body: str) -> str:
@@ -117,34 +142,70 @@ _DICTIONARY_1 = (
     b'"finished_at":""},"usage":{"input_tokens":{"value":,"provenance":"computed"},"output_tokens":{"value":,'
     b'"provenance":"computed"},"steps":2}},"version":}}{"schema_version":1,"event_id":"evt_","conversation_id":"'
 )
-"""What ledger bodies share (keys, kinds, the shapes of each payload), given to zlib as a preset dictionary:
-an event compresses to about a third of its JSON instead of about half. A stored blob names its dictionary
-in its first byte; this one is never changed (a new one would get a new first byte)."""
+"""What ledger bodies share (keys, kinds, the shapes of each payload), given to the compressor as a preset
+dictionary: an event compresses to about a third of its JSON instead of about half. A stored blob names its
+format and dictionary in its first byte (1: zlib, written by earlier versions; 2: zstd); this text is never
+changed (a new one would get a new first byte)."""
 
 
-_PRIMED_1 = zlib.compressobj(1, zlib.DEFLATED, 12, 5, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY_1)
-"""A compressor with the dictionary already loaded, copied for each body: setting up a fresh one (its
-tables, the dictionary) cost more than compressing a body. A 4 KiB window: bodies are small, and the
-dictionary's tail is what they share; the stream says its window, so any reader inflates it."""
+_PACKED_2 = b"\x02"
+_LOCAL = threading.local()
 
 
-def pack(body: str) -> str | bytes:
-    """A ledger body as the SQLite driver stores it (see :data:`PACK_FROM`)."""
+@functools.cache
+def _dictionary_2() -> Any:
+    """The same shared text as :data:`_DICTIONARY_1`, as a zstd dictionary: what :func:`pack` writes now (a
+    blob whose first byte is 1 is still read as zlib). zstandard is imported on first use: a command that
+    only reads short rows never pays for it."""
+    import zstandard
+
+    dictionary = zstandard.ZstdCompressionDict(_DICTIONARY_1, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    dictionary.precompute_compress(level=3)
+    return dictionary
+
+
+def _zstd() -> tuple[Any, Any]:
+    """This thread's zstd compressor and decompressor (neither may be shared between threads; each SQLite
+    driver writes from its own)."""
+    pair = getattr(_LOCAL, "zstd", None)
+    if pair is None:
+        import zstandard
+
+        dictionary = _dictionary_2()
+        pair = _LOCAL.zstd = (
+            zstandard.ZstdCompressor(dict_data=dictionary, level=3, write_checksum=False, write_dict_id=False),
+            zstandard.ZstdDecompressor(dict_data=dictionary),
+        )
+    return pair
+
+
+def pack(body: str | bytes) -> str | bytes:
+    """A ledger body (JSON text, or its UTF-8 bytes) as the SQLite driver stores it (see :data:`PACK_FROM`):
+    text when short, else zstd with the shared dictionary (smaller than zlib, and about a third of its
+    cost on a ledger body)."""
     if len(body) < PACK_FROM:
-        return body
-    packer = _PRIMED_1.copy()
-    return _PACKED_1 + packer.compress(body.encode()) + packer.flush()
+        return body.decode() if isinstance(body, bytes) else body
+    data = body if isinstance(body, bytes) else body.encode()
+    return _PACKED_2 + _zstd()[0].compress(data)
+
+
+def _zstd_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
 
 
 def unpack(stored: object) -> object:
-    """What :func:`pack` stored, as JSON text (or bytes) again."""
+    """What :func:`pack` stored (or an earlier version of it), as JSON text (or bytes) again."""
     if isinstance(stored, bytes):
         try:
+            if stored[:1] == _PACKED_2:
+                return _zstd()[1].decompress(stored[1:])
             if stored[:1] == _PACKED_1:
                 unpacker = zlib.decompressobj(15, _DICTIONARY_1)
                 return unpacker.decompress(stored[1:]) + unpacker.flush()
             return zlib.decompress(stored)
-        except zlib.error:
+        except (zlib.error, _zstd_error()):
             return stored  # not ours: decoding it reports the row as corrupt
     return stored
 

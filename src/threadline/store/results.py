@@ -10,7 +10,7 @@ from ..records import AdmissionReceipt, ConversationHead, Message, Run
 
 
 class _Result(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 class AcceptResult(_Result):

@@ -70,7 +70,7 @@ from ..records import (
     ToolResultPart,
 )
 from .aggregate import AgentConversationReader, AgentRuntimeStore, create_agent_runtime_store
-from .codec import RecordCache, decode, encode as _encode, encode_event, encode_with, foreign, pack, unpack
+from .codec import RecordCache, decode, encode as _encode, encode_event_bytes, encode_with, foreign, pack, unpack
 from .driver import (
     Access,
     HeadState,
@@ -781,7 +781,7 @@ class _SqliteRows:
             if m.seeds:
                 conn.executemany(_INSERT_SEED, [(s.conversation_id, s.seed_key, encode(s)) for s in m.seeds])
             if m.events:
-                events = [(cid, e.seq, e.kind, event_key(e), pack(encode_event(e))) for e in m.events]
+                events = [(cid, e.seq, e.kind, event_key(e), pack(encode_event_bytes(e))) for e in m.events]
                 if len(events) == 1:
                     conn.execute(_INSERT_EVENT, events[0])
                 else:

@@ -27,6 +27,7 @@ possible. Measured, per configuration and transport:
 
     .venv/bin/python bench/fanout.py [--configs split,single] [--transports ws,sse] [--viewers 1000]
                                      [--turns 10] [--words 40] [--pace 0.01] [--client-procs 1]
+                                     [--client-runtime python|node] [--profile-web FILE]
 
 Each line ends with ``additions_s`` (ten million Python integer additions timed just before): the
 machine's speed that minute (``workload.additions_s``).
@@ -40,6 +41,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +62,8 @@ CONVERSATION = "bench"
 WAIT = 180.0
 CLIENT = [sys.executable, __file__, "--role", "client", "--client"]
 WORKER = [sys.executable, __file__, "--role", "worker"]
+HERE = Path(__file__).resolve().parent
+NODE = shutil.which("node")
 
 
 def cpu_s(pid: int | str = "self") -> float:
@@ -222,11 +226,17 @@ async def run_client(kind: str, host: str, port: int, viewers: int) -> None:
 class Clients:
     """``procs`` client processes sharing ``viewers`` viewers."""
 
-    def __init__(self, kind: str, port: int, viewers: int, procs: int) -> None:
+    def __init__(self, kind: str, port: int, viewers: int, procs: int, runtime: str = "python") -> None:
         shares = [viewers // procs + (1 if i < viewers % procs else 0) for i in range(procs)]
+
+        def command(share: int) -> list[str]:
+            if runtime == "node":
+                return [NODE or "node", str(HERE / "fanout_client.mjs"), kind, str(port), str(share)]
+            return [*CLIENT, kind, "--port", str(port), "--viewers", str(share)]
+
         self.procs = [
             subprocess.Popen(
-                [*CLIENT, kind, "--port", str(port), "--viewers", str(share)],
+                command(share),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -420,6 +430,7 @@ def _figures(
         "config": config,
         "transport": kind,
         "viewers": args.viewers,
+        "client": args.client_runtime,
         "detached": report["detached"],
         "deltas": len(latencies),
         "lost": sum(max(0, expected - r) for r in report["received"]),
@@ -469,7 +480,7 @@ async def measure_split(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             await worker.turns(3, 10_000)  # warm up (and the conversation exists before viewers attach)
             alone = await worker.turns(args.turns, 0)
             before = rss_kb(web.proc.pid)
-            clients = Clients(kind, port, args.viewers, args.client_procs)
+            clients = Clients(kind, port, args.viewers, args.client_procs, args.client_runtime)
             await clients.ready()
             await asyncio.sleep(1.0)
             after = rss_kb(web.proc.pid)
@@ -534,7 +545,7 @@ async def measure_single(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                 await turns(harness, 3, 10_000)
                 alone = await turns(harness, args.turns, 0)
                 before = rss_kb()
-                clients = Clients(kind, port, args.viewers, args.client_procs)
+                clients = Clients(kind, port, args.viewers, args.client_procs, args.client_runtime)
                 await clients.ready()
                 await asyncio.sleep(1.0)
                 after = rss_kb()
@@ -563,6 +574,14 @@ def main() -> None:
     parser.add_argument("--transports", default="ws,sse")
     parser.add_argument("--viewers", type=int, default=1000)
     parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument(
+        "--client-runtime",
+        choices=["python", "node"],
+        default="python",
+        help="the viewers' load generator: this script's Python client, or bench/fanout_client.mjs (Node.js, the "
+        "same protocol; about two thirds of the Python client's CPU over WebSocket, to check that the figures "
+        "are the server's and not the load generator's)",
+    )
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--words", type=int, default=40)
     parser.add_argument("--pace", type=float, default=0.01, help="seconds between the model's words")

@@ -218,7 +218,8 @@ class AgentBranchRefusedError(AgentStoreError):
     """A branch was refused before anything was written. ``code``: ``BRANCH_SOURCE_UNKNOWN``,
     ``BRANCH_RUN_UNKNOWN``, ``BRANCH_RUN_ACTIVE`` (the selected prefix still has a queued or acquired run),
     ``BRANCH_DESTINATION_EXISTS``, ``BRANCH_REQUEST_CONFLICT`` (the key was used for another request),
-    ``BRANCH_SOURCE_INVALID``, ``BRANCH_ARTIFACTS`` (spills need ``artifact_authorization``)."""
+    ``BRANCH_SOURCE_INVALID``, ``BRANCH_ARTIFACTS`` (spills need ``artifact_authorization``),
+    ``BRANCH_METADATA_REFERENCE`` (message metadata names an engine identity, which a copy would carry)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

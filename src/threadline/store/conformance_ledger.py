@@ -449,6 +449,62 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
 
 
+@_case("ledger_branch_metadata_reference")
+async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> None:
+    """Message metadata is copied as it is: a key in it that names an engine identity (a run id, say, at any
+    depth) refuses the branch before anything is written, naming the message and the path; other metadata
+    is copied unchanged."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-ref")
+    run = await c.acquire(
+        (
+            await c.store.accept_input_and_assign_run(
+                conversation_id=c.cid,
+                idempotency_key=c.key("t1"),
+                input={**c.draft("t1"), "metadata": {"ticket": {"links": [{"run_id": "run-from-elsewhere"}]}}},
+                run_id=c.run("t1"),
+                assistant_message_id=c.out("t1"),
+            )
+        ).run
+    )
+    await c.finish(run, text="answer t1")
+    source = {"kind": "conversation", "conversation_id": c.cid}
+    error = await _raises(
+        AgentBranchRefusedError,
+        "metadata naming a run",
+        store.branch_conversation,
+        request_key="r1",
+        destination_conversation_id="ledger-branch-ref-copy",
+        source=source,
+    )
+    _equal(error.code, "BRANCH_METADATA_REFERENCE", "a runtime reference key in metadata")
+    _expect("metadata.ticket.links[0]" in str(error) and c.inp("t1") in str(error), "the error names the place")
+    _equal(
+        (await store.read_events(conversation_id="ledger-branch-ref-copy")).items, (), "a refused branch writes nothing"
+    )
+    plain = _Conv(store, "ledger-branch-plain")
+    run = await plain.acquire(
+        (
+            await plain.store.accept_input_and_assign_run(
+                conversation_id=plain.cid,
+                idempotency_key=plain.key("t1"),
+                input={**plain.draft("t1"), "metadata": {"ticket": {"id": "T-7", "links": ["x"]}}},
+                run_id=plain.run("t1"),
+                assistant_message_id=plain.out("t1"),
+            )
+        ).run
+    )
+    await plain.finish(run, text="answer t1")
+    await store.branch_conversation(
+        request_key="r2",
+        destination_conversation_id="ledger-branch-plain-copy",
+        source={"kind": "conversation", "conversation_id": plain.cid},
+    )
+    copied = (await store.load_snapshot(conversation_id="ledger-branch-plain-copy")).messages
+    _equal(copied[0].metadata, {"ticket": {"id": "T-7", "links": ["x"]}}, "other metadata is copied unchanged")
+
+
 @_case("ledger_durable_steps")
 async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFactory) -> None:
     """Durable steps kept in the ledger (what ``create_local_step_durability(store=)`` stands on,

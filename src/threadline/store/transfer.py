@@ -256,7 +256,9 @@ async def _branch(
     state and the :class:`AgentBranchReceipt`, then the source's provider records (bodies unchanged,
     run ids rekeyed) and, as inert ``runtime/branch-observation`` records, its state, schedule, child,
     retry, approval-rejection and durability facts, which never repopulate state. Selected history with
-    spills needs ``artifact_authorization``.
+    spills needs ``artifact_authorization``. Message metadata is copied as it is, so metadata holding a key
+    that names an engine identity (:data:`RUNTIME_REFERENCE_KEYS`) is refused (``BRANCH_METADATA_REFERENCE``)
+    rather than carry a source identity into the copy.
 
     Idempotent: the same ``request_key``, destination and selector return the original receipt
     (``duplicate``), even after the source or the destination moved on; any other request for that
@@ -341,6 +343,7 @@ async def _branch(
             f"the selected prefix still has active runs {active}; branch through an earlier run, or settle them",
         )
     selected = [e for e in events if e.seq <= boundary]
+    _refuse_runtime_references(state)
     if any(e.kind == "spill/created" for e in selected) and artifact_authorization is None:
         raise AgentBranchRefusedError(
             "BRANCH_ARTIFACTS", "the selected history has spills: pass an explicit artifact_authorization"
@@ -376,6 +379,42 @@ async def _branch(
             "BRANCH_DESTINATION_EXISTS", f"conversation {destination_conversation_id!r} was created meanwhile"
         ) from None
     return AgentBranchResult(outcome="created", receipt=receipt)
+
+
+RUNTIME_REFERENCE_KEYS = frozenset(
+    {
+        *("conversation_id", "run_id", "message_id", "assistant_message_id", "input_message_ids"),
+        *("operation_id", "approval_id", "event_id", "spill_id", "owner_id", "fencing_token"),
+        *("conversationId", "runId", "messageId", "assistantMessageId", "inputMessageIds"),
+        *("operationId", "approvalId", "eventId", "spillId", "ownerId", "fencingToken"),
+    }
+)
+"""Keys that name an engine identity. Message metadata is opaque data a branch copies as it is, so such a
+key there would carry a source identity into the copy unchanged (every typed reference gets a new id):
+:func:`branch_conversation` refuses it (``BRANCH_METADATA_REFERENCE``) instead. threadline itself never
+writes one into metadata."""
+
+
+def _refuse_runtime_references(state: Replayed) -> None:
+    """``BRANCH_METADATA_REFERENCE`` when the metadata of a copied message (or of an admitted input) holds a
+    :data:`RUNTIME_REFERENCE_KEYS` key at any depth, naming the message and the path."""
+    owners = [*state.messages.values(), *(r.input for r in state.receipts.values())]
+    for message in owners:
+        stack: list[tuple[str, Any]] = [("metadata", message.metadata)]
+        while stack:
+            path, value = stack.pop()
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if key in RUNTIME_REFERENCE_KEYS:
+                        raise AgentBranchRefusedError(
+                            "BRANCH_METADATA_REFERENCE",
+                            f"message {message.id!r} has the runtime reference key {key!r} at {path}: metadata "
+                            "is copied as it is and would carry a source identity into the branch; move it out "
+                            "of the metadata (or rename the key) before branching",
+                        )
+                    stack.append((f"{path}.{key}", item))
+            elif isinstance(value, list):
+                stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
 
 
 async def _exists(store: AgentRuntimeStore, conversation_id: str) -> bool:

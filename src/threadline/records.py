@@ -86,7 +86,10 @@ def check_id(value: object, field: str) -> None:
 
 class _Record(BaseModel):
     model_config = ConfigDict(
-        frozen=True, extra="forbid", populate_by_name=True, json_schema_serialization_defaults_required=True,
+        frozen=True,
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_serialization_defaults_required=True,
         defer_build=True,
     )
 

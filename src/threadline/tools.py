@@ -224,8 +224,10 @@ class AgentTool:
             if self.takes_context:
                 return await self.handler(ctx, **values)
             return await self.handler(**values)
-        call = functools.partial(self.handler, ctx, **values) if self.takes_context else functools.partial(
-            self.handler, **values
+        call = (
+            functools.partial(self.handler, ctx, **values)
+            if self.takes_context
+            else functools.partial(self.handler, **values)
         )
         result = await asyncio.to_thread(call)
         return await result if inspect.isawaitable(result) else result

@@ -52,11 +52,7 @@ async def test_durable_usage_adds_no_commit(store: Any) -> None:
     await asyncio.wait_for(submit(runtime, "k0", "warm up").result, WAIT)
     before = {name: stats.calls for name, stats in store.metrics.items()}
     await asyncio.wait_for(submit(runtime, "k1", "go").result, WAIT)
-    writes = {
-        name: stats.calls - before.get(name, 0)
-        for name, stats in store.metrics.items()
-        if name in WRITES
-    }
+    writes = {name: stats.calls - before.get(name, 0) for name, stats in store.metrics.items() if name in WRITES}
     await runtime.close()
     # admission (which starts the run), the step-finish checkpoint, the next request's admission, the terminal
     assert sum(writes.values()) == 4, writes

@@ -46,9 +46,7 @@ def final_result(args: dict[str, Any], call_id: str = "out-1", name: str = "fina
 
 async def test_the_models_default_mode_with_the_test_model(store: Any) -> None:
     registry_model = TestModel()
-    runtime = create_agent_runtime(
-        protocol=with_output(City), store=store, models=registry_model, publish=None
-    )
+    runtime = create_agent_runtime(protocol=with_output(City), store=store, models=registry_model, publish=None)
     result = await asyncio.wait_for(runtime.submit(conversation_id="c1", parts="a city?", context={}).result, WAIT)
     # a second turn projects the first one's output call and its result back: history stays provider-valid
     again = await asyncio.wait_for(runtime.submit(conversation_id="c1", parts="another?", context={}).result, WAIT)

@@ -25,6 +25,7 @@ EXIT_ERROR = 2
 """Exit status for a failure threadline reports (an unreadable database, a missing credential…)."""
 EXIT_INTERRUPTED = 130
 
+
 class _Group(typer.core.TyperGroup):
     """A command group whose ``--help`` flag defaults to ``False`` instead of ``None``: Typer (0.2x) builds a
     pydantic adapter to coerce a ``None`` flag, which costs every subcommand's start-up (and ``--help``)

@@ -138,9 +138,7 @@ async def control_socket(websocket: WebSocket) -> None:
         closing.append(asyncio.ensure_future(resync()))
 
     try:
-        connection = state.control.connect(
-            id=f"ws-{uuid.uuid4().hex}", deliver_batch=deliver, on_overflow=on_overflow
-        )
+        connection = state.control.connect(id=f"ws-{uuid.uuid4().hex}", deliver_batch=deliver, on_overflow=on_overflow)
     except Exception:  # the control server closed: the app is shutting down
         receiving.cancel()
         await socket.close(1001, "shutting down")

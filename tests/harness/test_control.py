@@ -505,6 +505,31 @@ async def test_connect_takes_exactly_one_way_to_deliver(harness: HeadlessAgentHa
     assert server.connection_count == 0
 
 
+async def test_on_overflow_is_required_and_synchronous(harness: HeadlessAgentHarness) -> None:
+    server = create_agent_harness_control_server(harness)
+
+    async def closes_later(delivery: Any) -> None:
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, delivery: Any) -> None:
+            pass
+
+    for bad in (
+        {},
+        {"on_overflow": None},
+        {"on_overflow": "close"},
+        {"on_overflow": closes_later},
+        {"on_overflow": AsyncCallable()},
+    ):
+        with pytest.raises(AgentConfigError) as refused:
+            server.connect(id="a", deliver=print, **bad)
+        assert refused.value.field == "on_overflow"
+    assert server.connection_count == 0
+    server.connect(id="a", deliver=print, on_overflow=lambda delivery: None)
+    assert server.connection_count == 1
+
+
 async def test_start_delivery_runs_a_write_that_need_not_wait_at_once_and_continues_one_that_must() -> None:
     steps: list[str] = []
 

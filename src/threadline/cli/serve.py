@@ -239,7 +239,14 @@ async def run_serve(
             if stdio:
                 from ..harness import run_headless_agent_runner
 
-                await run_headless_agent_runner(harness, input=_stdin_lines(), write=_stdout_writer(), events=events)
+                await run_headless_agent_runner(
+                    harness,
+                    input=_stdin_lines(),
+                    write=_stdout_writer(),
+                    events=events,
+                    close_grace_period=grace,
+                    close_force_timeout=force,
+                )
             else:
                 banner = [f"model: {choice.label}; store: {opened.where}"]
                 if admit_only:

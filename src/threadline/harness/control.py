@@ -200,16 +200,17 @@ class AgentHarnessControlServer:
         *,
         id: str,
         deliver: Callable[[AgentControlEventDelivery], Any] | None = None,
-        on_overflow: Callable[[AgentControlResyncDelivery], Any],
+        on_overflow: Callable[[AgentControlResyncDelivery], None] | None = None,
         deliver_batch: Callable[[AgentControlDeliveryBatch], Any] | None = None,
     ) -> AgentHarnessControlConnection:
         """Register one client, with one of two ways to receive its events: ``deliver(delivery)`` (sync or
         async) takes them one at a time; ``deliver_batch(batch)`` (sync or async) takes everything waiting
         at once (:class:`~threadline.harness.fanout.AgentControlDeliveryBatch`, in order) — what a transport
         writes as one frame. ``on_overflow(delivery)`` is called synchronously, once, when the client fell
-        ``max_pending_events`` behind (see the module docstring). Raises
+        ``max_pending_events`` behind (see the module docstring); it is required and synchronous. Raises
         :class:`~threadline.errors.AgentConfigError` for a duplicate ``id``, both or neither of ``deliver``
-        and ``deliver_batch``, or after :meth:`close`."""
+        and ``deliver_batch``, a missing or ``async`` ``on_overflow`` (``field`` names it), or after
+        :meth:`close`."""
         if self._closed:
             raise AgentConfigError("the control server is closed; it accepts no connection", field="connect")
         if not isinstance(id, str) or not id:
@@ -219,8 +220,19 @@ class AgentHarnessControlServer:
         if (deliver is None) == (deliver_batch is None):
             raise AgentConfigError("connect takes one of deliver and deliver_batch", field="deliver")
         receive = deliver_batch if deliver is None else deliver
-        if not callable(receive) or not callable(on_overflow):
-            raise AgentConfigError("connect needs a callable deliver and on_overflow", field="deliver")
+        if not callable(receive):
+            raise AgentConfigError("connect needs a callable deliver or deliver_batch", field="deliver")
+        if on_overflow is None or not callable(on_overflow):
+            raise AgentConfigError(
+                "connect needs on_overflow: a synchronous callable that closes or aborts the transport",
+                field="on_overflow",
+            )
+        if inspect.iscoroutinefunction(on_overflow) or inspect.iscoroutinefunction(type(on_overflow).__call__):
+            raise AgentConfigError(
+                "on_overflow is synchronous: it is called while a delivery may be blocked and must close or "
+                "abort the transport at once (schedule any async work from it yourself)",
+                field="on_overflow",
+            )
         batches = deliver_batch if deliver is None else _one_at_a_time(deliver, id)
         state = _Connection(id=id, deliver=batches, on_overflow=on_overflow)  # type: ignore[arg-type]
         self._connections[id] = state
@@ -311,9 +323,15 @@ class AgentHarnessControlServer:
         resync = AgentControlResyncDelivery(conversation_id=conversation_id)
         _log.info("control connection %s fell %d events behind; detached", state.id, self.max_pending_events)
         try:
-            state.on_overflow(resync)
+            outcome = state.on_overflow(resync)
         except Exception:
             _log.warning("on_overflow of control connection %s failed", state.id, exc_info=True)
+        else:
+            if inspect.isawaitable(outcome):
+                # on_overflow is synchronous: an awaitable it returns is not run (nothing may wait here)
+                if inspect.iscoroutine(outcome):
+                    outcome.close()
+                _log.warning("on_overflow of control connection %s returned an awaitable; it is not awaited", state.id)
         self._detach(state)
 
     def _detach(self, state: _Connection) -> None:

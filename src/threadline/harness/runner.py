@@ -20,7 +20,10 @@ goes on; with ``events=True`` also ``event`` lines carrying every delivery event
 
 Lines are read one at a time, in order; a line is at most :data:`HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES`,
 and at most ``max_in_flight`` submissions wait for their terminal at once. ``close`` closes the harness
-(bounded by its budgets) and ends the loop; at the end of input the loop waits for the terminals it owes,
+and ends the loop; the close is bounded: a line without ``grace_period``/``force_timeout`` uses the
+runner's ``close_grace_period``/``close_force_timeout`` (default: no grace, then
+:data:`DEFAULT_CLOSE_FORCE_TIMEOUT` seconds for aborted runs to settle), and ``closed`` reports whether
+everything settled; at the end of input the loop waits for the terminals it owes,
 then returns without closing the harness.
 """
 
@@ -30,12 +33,13 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 from collections.abc import AsyncIterable, Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from ..errors import ThreadlineError
+from ..errors import AgentConfigError, ThreadlineError
 from ..events import delivered_message
 from ..records import Part
 from .control_schema import validation_field
@@ -46,6 +50,8 @@ _log = logging.getLogger("threadline.harness.runner")
 HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES = 1_048_576
 """The longest input line the runner reads (UTF-8 bytes)."""
 DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_CLOSE_FORCE_TIMEOUT = 5.0
+"""Seconds a ``close`` line without ``force_timeout`` waits for aborted runs to settle."""
 MAX_QUEUED_EVENTS = 1024
 """With ``events=True``: events waiting to be written; beyond it they are dropped and one ``resync-required``
 line (with the number dropped) says so before the next event."""
@@ -92,8 +98,8 @@ class RespondApprovalControl(_Conversation):
 
 class CloseControl(_Control):
     type: Literal["close"]
-    grace_period: float | None = Field(default=None, ge=0)
-    force_timeout: float | None = Field(default=None, ge=0)
+    grace_period: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    force_timeout: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 HeadlessAgentRunnerControl = Annotated[
@@ -128,7 +134,10 @@ def _parse(line: Any) -> HeadlessAgentRunnerControl:
             raise _Refused("REQUEST_REJECTED", f"a line is at most {HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES} bytes")
         line = bytes(line).decode("utf-8", errors="replace")
     if isinstance(line, str):
-        if len(line) > HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES:
+        if len(line) > HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES or (
+            len(line) * 4 > HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES
+            and len(line.encode("utf-8", errors="surrogatepass")) > HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES
+        ):
             raise _Refused("REQUEST_REJECTED", f"a line is at most {HEADLESS_AGENT_RUNNER_MAX_LINE_BYTES} bytes")
         try:
             line = json.loads(line)
@@ -161,13 +170,22 @@ async def run_headless_agent_runner(
     write: Callable[[dict[str, Any]], Any],
     events: bool = False,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    close_grace_period: float | None = None,
+    close_force_timeout: float | None = DEFAULT_CLOSE_FORCE_TIMEOUT,
 ) -> None:
     """Run the control loop until ``close`` or the end of ``input`` (lines as ``str``/``bytes``, or already
     parsed dicts). ``write(obj)`` (sync or async) sends one output object; the runner never calls it
-    concurrently. See the module docstring for the protocol.
+    concurrently. See the module docstring for the protocol. ``close_grace_period`` and
+    ``close_force_timeout`` are the budgets of a ``close`` line that names none (``None``: no bound on that
+    phase); a bad value raises :class:`~threadline.errors.AgentConfigError` before anything is read.
 
     Cancellation: cancelling the task stops reading at once; submissions already admitted are durable and
     their runs go on in the harness (their ``terminal`` lines are not written)."""
+    for name, budget in (("close_grace_period", close_grace_period), ("close_force_timeout", close_force_timeout)):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not math.isfinite(budget) or budget < 0
+        ):
+            raise AgentConfigError(f"{name} is a finite number of seconds >= 0 or None, got {budget!r}", field=name)
     lock = asyncio.Lock()
     owed: set[asyncio.Task[None]] = set()
 
@@ -220,7 +238,10 @@ async def run_headless_agent_runner(
                 control = _parse(line)
                 request_id = control.request_id
                 if isinstance(control, CloseControl):
-                    closed = await harness.close(grace_period=control.grace_period, force_timeout=control.force_timeout)
+                    closed = await harness.close(
+                        grace_period=close_grace_period if control.grace_period is None else control.grace_period,
+                        force_timeout=close_force_timeout if control.force_timeout is None else control.force_timeout,
+                    )
                     await emit({"type": "closed", "request_id": request_id, "result": _json(closed)})
                     return
                 if isinstance(control, SnapshotControl):

@@ -171,3 +171,38 @@ async def test_discovery_budgets_stop_with_reasons(make_tools, workspace: Path) 
         result = await tools.call("search_files", query="hello")
         assert reason in result["coverage"]["reasons"], reason
         assert result["coverage"]["complete"] is False
+
+
+def _serialized(result: dict) -> int:
+    return len(json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+async def test_denied_and_error_diagnostics_stay_within_the_output_ceiling(make_tools, workspace: Path) -> None:
+    # the ceiling is the whole serialized result, diagnostics included: long denied names shorten the list
+    for n in range(60):
+        (workspace / f"deny_{'n' * 200}{n:02}").write_text("hello\n")
+    denied = tuple(f"deny_{'n' * 200}{n:02}" for n in range(60))
+    tools = make_tools(deny=denied, limits=AgentCodingToolLimits(max_search_output_bytes=1_024))
+    for name, arguments in (
+        ("list_directory", {}),
+        ("glob", {"pattern": "**"}),
+        ("search_files", {"query": "hello"}),
+    ):
+        result = await tools.call(name, **arguments)
+        assert _serialized(result) <= 1_024, name
+        assert len(result["denied"]) < 60 and result["denied_truncated"] is True, name
+        assert "denied" in result["coverage"]["reasons"] and result["coverage"]["complete"] is False, name
+    roomy = make_tools(deny=denied)
+    listed = await roomy.call("list_directory")
+    assert len(listed["denied"]) == 60 and listed["denied_truncated"] is False
+
+
+async def test_a_listing_whose_smallest_result_cannot_fit_refuses_before_any_access(make_tools) -> None:
+    tools = make_tools(limits=AgentCodingToolLimits(max_search_output_bytes=1_024))
+    long_path = "/".join(["d" * 200] * 4)  # does not exist: the refusal comes before the filesystem is asked
+    refused = await tools.envelope("list_directory", path=long_path)
+    assert refused["error"] == "BAD_REQUEST" and refused["status"] == 400
+    assert tools.paths == [] and tools.asked == []
+    glob = await tools.envelope("glob", pattern="*", path=long_path)
+    assert glob["error"] == "BAD_REQUEST" and tools.paths == [] and tools.asked == []
+    assert (await tools.envelope("list_directory", path="missing"))["error"] == "NOT_FOUND"

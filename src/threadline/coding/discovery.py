@@ -51,19 +51,76 @@ def json_size(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
 
 
+COVERAGE_REASONS: tuple[str, ...] = (
+    "denied",
+    "unreadable",
+    "binary",
+    "invalid-utf8",
+    "max-read-bytes",
+    "max-list-entries",
+    "max-search-files",
+    "max-search-depth",
+    "max-search-directories",
+    "max-search-entries",
+    "max-search-bytes",
+    "max-search-results",
+    "max-search-output-bytes",
+    "timeout",
+)
+"""Every reason ``coverage.reasons`` can name."""
+
+_WIDEST_COUNTER = 10**12  # wider than any counter or elapsed time a call can reach
+
+
+def widest_envelope(envelope: dict[str, Any]) -> dict[str, Any]:
+    """``envelope`` (an empty result) at its largest fixed size: every coverage reason, the widest counters,
+    every flag true and both diagnostics present but shortened to nothing. What a result costs beyond its
+    items and diagnostic entries is never more than this."""
+    widest = dict(envelope)
+    report = dict(widest["coverage"])
+    report["complete"] = False
+    report["reasons"] = list(COVERAGE_REASONS)
+    for key in ("directories", "entries", "elapsed_ms", "bytes"):
+        if key in report:
+            report[key] = _WIDEST_COUNTER
+    widest["coverage"] = report
+    for key in ("scanned_files", "skipped_directories", "skipped_symlinks"):
+        if key in widest:
+            widest[key] = _WIDEST_COUNTER
+    for key in ("truncated", "result_truncated"):
+        if key in widest:
+            widest[key] = True
+    widest.update(denied=[], denied_truncated=True, errors=[], errors_truncated=True)
+    return widest
+
+
 class OutputBudget:
-    """The serialized-output ceiling of one discovery result: items are admitted while the whole result
-    (envelope included) stays within ``max_bytes``."""
+    """The serialized-output ceiling of one discovery result (``max_search_output_bytes``, the whole UTF-8
+    JSON). The fixed part is measured once at its widest (:func:`widest_envelope`); items, then diagnostic
+    entries, are admitted one at a time while they fit, so the result never exceeds the ceiling.
+    ``fits`` is false when even the smallest result would not: the call refuses before any filesystem
+    access."""
 
     def __init__(self, max_bytes: int, envelope: dict[str, Any]) -> None:
-        # room for the coverage counters, denied/errors lists and a hint, measured once
-        self.remaining = max_bytes - json_size(envelope) - 64
+        self.remaining = max_bytes - json_size(widest_envelope(envelope))
+        self.fits = self.remaining >= 0
         self.exhausted = False
 
     def take(self, item: Any) -> bool:
         cost = json_size(item) + 1
         if self.exhausted or cost > self.remaining:
             self.exhausted = True
+            return False
+        self.remaining -= cost
+        return True
+
+    def take_diagnostic(self, item: Any) -> bool:
+        """Admit one ``denied`` / ``errors`` entry (after the items, so never at their expense)."""
+        if self.remaining < 0:  # linear: once one entry did not fit, the rest are not measured
+            return False
+        cost = json_size(item) + 1
+        if cost > self.remaining:
+            self.remaining = -1
             return False
         self.remaining -= cost
         return True
@@ -106,15 +163,19 @@ def coverage(
     return report
 
 
-def diagnostics(stats: WalkStats) -> dict[str, Any]:
-    """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any."""
+def diagnostics(stats: WalkStats, budget: OutputBudget) -> dict[str, Any]:
+    """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any, each
+    entry admitted within what the output budget has left; ``denied_truncated`` / ``errors_truncated`` say
+    when the list is shorter than what was found (its own bound, or the output ceiling)."""
     out: dict[str, Any] = {}
     if stats.denied_count:
-        out["denied"] = list(stats.denied)
-        out["denied_truncated"] = stats.denied_truncated
+        denied = [item for item in stats.denied if budget.take_diagnostic(item)]
+        out["denied"] = denied
+        out["denied_truncated"] = stats.denied_count > len(denied)
     if stats.errors_count:
-        out["errors"] = list(stats.errors)
-        out["errors_truncated"] = stats.errors_truncated
+        errors = [item for item in stats.errors if budget.take_diagnostic(item)]
+        out["errors"] = errors
+        out["errors_truncated"] = stats.errors_count > len(errors)
     return out
 
 
@@ -179,8 +240,25 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
         started = time.monotonic()
         deadline = started + limits.search_timeout
         async with workspace_refusals():
+            relative = join_segments(
+                config.workspace.parse(path, allow_root=True, max_path_bytes=limits.max_path_bytes)
+            )
+            scope = scope_of(config, base=relative, symlinks="listed")
+            envelope = {
+                "path": relative,
+                "entries": [],
+                "truncated": False,
+                "coverage": coverage(new_stats(config), started=started, scope=scope),
+            }
+            budget = OutputBudget(limits.max_search_output_bytes, envelope)
+            if not budget.fits:
+                refuse(
+                    "BAD_REQUEST",
+                    "the smallest listing of this path would not fit the output limit",
+                    path=relative,
+                    hint="list a shorter path; the host can raise limits.max_search_output_bytes",
+                )
             segments, fd = await open_discovery_base(config, path, deadline)
-            relative = join_segments(segments)
             try:
                 await authorize(config, {"operation": "list", "path": relative}, deadline=deadline)
                 if config.workspace.directory_identity(segments) != _identity_of(fd):
@@ -197,15 +275,6 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 stats.entries = len(entries)
                 if truncated:
                     stats.reason("max-list-entries")
-                envelope = {
-                    "path": relative,
-                    "entries": [],
-                    "truncated": False,
-                    "coverage": coverage(
-                        stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")
-                    ),
-                }
-                budget = OutputBudget(limits.max_search_output_bytes, envelope)
                 listed: list[dict[str, Any]] = []
                 for entry in entries:
                     child = f"{relative}/{entry.name}" if segments else entry.name
@@ -236,8 +305,8 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             "path": relative,
             "entries": listed,
             "truncated": bool(stats.reasons and set(stats.reasons) - {"denied"}),
-            **diagnostics(stats),
-            "coverage": coverage(stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")),
+            **diagnostics(stats, budget),
+            "coverage": coverage(stats, started=started, scope=scope),
         }
 
     @define_agent_tool(
@@ -268,11 +337,11 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 "coverage": coverage(new_stats(config), started=started, scope={**scope, "pattern": pattern}),
             }
             budget = OutputBudget(limits.max_search_output_bytes, empty)
-            if budget.remaining < 0:
+            if not budget.fits:
                 refuse(
                     "BAD_REQUEST",
                     "the smallest result for this pattern would not fit the output limit",
-                    hint="use a shorter pattern",
+                    hint="use a shorter pattern or path; the host can raise limits.max_search_output_bytes",
                 )
             deadline = started + limits.search_timeout
             segments, fd = await open_discovery_base(config, path, deadline)
@@ -287,7 +356,7 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             "skipped_directories": stats.excluded_directories,
             "skipped_symlinks": stats.skipped_symlinks,
             "scanned_files": stats.files,
-            **diagnostics(stats),
+            **diagnostics(stats, budget),
             "coverage": coverage(stats, started=started, scope={**scope, "pattern": pattern}),
         }
 

@@ -60,6 +60,12 @@ _BINARY_PROBE = 65_536
 
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
+INCLUDE_HINT = (
+    "the anchored include pattern (coverage.scope.include) admitted no file; '*' does not cross '/', so use a "
+    "pattern such as '**/*.py' for files in subdirectories"
+)
+"""The hint of a search whose include admitted no file (the pattern itself is in ``coverage.scope``)."""
+
 
 def _unbounded_construct(pattern: str) -> str | None:
     """The first construct RE2 cannot run in linear time (a backreference or lookaround), else None."""
@@ -210,7 +216,7 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             except ValueError as error:
                 refuse("BAD_REQUEST", f"include: {error}", hint="use '**', '*' and '?' in a relative pattern")
         scope = scope_of(config, base=".", symlinks="skipped", include=include)
-        empty = {
+        empty: dict[str, Any] = {
             "matches": [],
             "truncated": False,
             "scanned_files": 0,
@@ -218,8 +224,10 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             "skipped_symlinks": 0,
             "coverage": coverage(new_stats(config), started=started, scope=scope, content_bytes=0),
         }
+        if include is not None:
+            empty["hint"] = INCLUDE_HINT
         budget = OutputBudget(limits.max_search_output_bytes, empty)
-        if budget.remaining < 0:
+        if not budget.fits:
             refuse(
                 "BAD_REQUEST",
                 "the smallest result for this search would not fit the output limit",
@@ -251,14 +259,11 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             "scanned_files": run.scanned,
             "skipped_directories": stats.excluded_directories,
             "skipped_symlinks": stats.skipped_symlinks,
-            **diagnostics(stats),
+            **diagnostics(stats, budget),
             "coverage": coverage(stats, started=started, scope=scope, content_bytes=run.content_bytes),
         }
         if include is not None and run.scanned == 0 and stats.files == 0:
-            result["hint"] = (
-                f"the anchored include pattern {include!r} admitted no file; '*' does not cross '/', so use a "
-                "pattern such as '**/*.py' for files in subdirectories"
-            )
+            result["hint"] = INCLUDE_HINT
         return result
 
     return [search_files]

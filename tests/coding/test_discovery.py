@@ -206,3 +206,21 @@ async def test_a_listing_whose_smallest_result_cannot_fit_refuses_before_any_acc
     glob = await tools.envelope("glob", pattern="*", path=long_path)
     assert glob["error"] == "BAD_REQUEST" and tools.paths == [] and tools.asked == []
     assert (await tools.envelope("list_directory", path="missing"))["error"] == "NOT_FOUND"
+
+
+async def test_pattern_and_query_limits_count_utf16_code_units(make_tools) -> None:
+    # glob and include patterns: 4,096 UTF-16 code units; queries: 8,192 (a character beyond U+FFFF is two)
+    tools = make_tools()
+    wide = "\U0001f600"
+    assert (await tools.call("glob", pattern=wide * 2_048))["paths"] == []
+    assert (await tools.envelope("glob", pattern=wide * 2_049))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("glob", pattern="a" * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query="x", include=wide * 2_048))["matches"] == []
+    assert (await tools.envelope("search_files", query="x", include=wide * 2_049))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("search_files", query="x", include="a" * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query="q" * 8_192))["matches"] == []
+    assert (await tools.envelope("search_files", query="q" * 8_193))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("search_files", query=wide * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query=wide * 4_096))["matches"] == []
+    properties = tools.by_name["search_files"].args_model.model_json_schema()["properties"]
+    assert properties["query"]["maxLength"] == 8_192 and properties["include"]["maxLength"] == 4_096

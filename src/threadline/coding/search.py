@@ -47,13 +47,14 @@ from .discovery import (
     scope_of,
     walk_limits,
 )
-from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob
+from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob, utf16_units
 from .policy import CodingConfig, authorize, path_decision, refuse, workspace_refusals
 from .workspace import WalkStats, WorkspaceError
 
 __all__ = ("MAX_LINE_BYTES", "MAX_QUERY_CHARS", "compile_search_regex", "create_search_tools")
 
 MAX_QUERY_CHARS = 8_192
+"""The longest query, in UTF-16 code units (a character beyond U+FFFF counts two)."""
 MAX_LINE_BYTES = 8_192
 MAX_CONTEXT_LINES = 10
 _BINARY_PROBE = 65_536
@@ -174,14 +175,18 @@ def _lines_after(data: bytes, line_end: int, count: int) -> list[str]:
 
 class SearchFilesArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Text (or regex) to find.")
+    # the length limits (UTF-16 code units) are checked by the tool, which refuses BAD_REQUEST; the schema
+    # still advertises them to the model
+    query: str = Field(
+        min_length=1, json_schema_extra={"maxLength": MAX_QUERY_CHARS}, description="Text (or regex) to find."
+    )
     mode: Literal["content", "path"] = Field("content", description="Search file contents, or file paths.")
     regex: bool = Field(False, description="Treat query as a regular expression (linear-time RE2 syntax).")
     context: int = Field(0, ge=0, le=MAX_CONTEXT_LINES, description="Lines of context around each content match.")
     include: str | None = Field(
         None,
         min_length=1,
-        max_length=MAX_GLOB_PATTERN_CHARS,
+        json_schema_extra={"maxLength": MAX_GLOB_PATTERN_CHARS},
         description=(
             "Anchored pattern matched against the whole workspace-relative path. '*' does not cross '/'; "
             "use '**/*.py' for files in subdirectories."
@@ -208,6 +213,12 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
         include: str | None = None,
     ) -> dict[str, Any]:
         started = time.monotonic()
+        if utf16_units(query) > MAX_QUERY_CHARS:
+            refuse(
+                "BAD_REQUEST",
+                f"a query is limited to {MAX_QUERY_CHARS} UTF-16 code units",
+                hint="search for a shorter, distinctive part of the text",
+            )
         matcher = compile_search_regex(query) if regex else None
         included = None
         if include is not None:

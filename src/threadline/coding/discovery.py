@@ -163,6 +163,14 @@ def coverage(
     return report
 
 
+def observe_deadline(stats: WalkStats, deadline: float) -> None:
+    """Checked once more as the result is assembled, so a call that ends past its deadline (a sync host
+    callback that returned late, an empty directory with nothing left to check between) says ``timeout``
+    even when nothing was cut."""
+    if time.monotonic() > deadline:
+        stats.reason("timeout")
+
+
 def diagnostics(stats: WalkStats, budget: OutputBudget) -> dict[str, Any]:
     """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any, each
     entry admitted within what the output budget has left; ``denied_truncated`` / ``errors_truncated`` say
@@ -301,6 +309,7 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                     listed.append(item)
             finally:
                 os.close(fd)
+        observe_deadline(stats, deadline)
         return {
             "path": relative,
             "entries": listed,
@@ -349,6 +358,7 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             await authorize(config, {"operation": "glob", "pattern": pattern, "path": relative}, deadline=deadline)
             stats = new_stats(config)
             paths, result_truncated = await _glob_walk(config, compiled, segments, stats, budget, started)
+        observe_deadline(stats, deadline)
         return {
             "paths": paths,
             "truncated": bool(set(stats.reasons) - {"max-search-results"}),

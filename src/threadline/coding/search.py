@@ -43,6 +43,7 @@ from .discovery import (
     diagnostics,
     excluded_by,
     new_stats,
+    observe_deadline,
     open_discovery_base,
     scope_of,
     walk_limits,
@@ -264,6 +265,7 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             async for entry in walk:
                 if not run.visit(entry):
                     break
+        observe_deadline(stats, deadline)
         result: dict[str, Any] = {
             "matches": run.matches,
             "truncated": bool(stats.reasons),

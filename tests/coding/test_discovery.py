@@ -224,3 +224,22 @@ async def test_pattern_and_query_limits_count_utf16_code_units(make_tools) -> No
     assert (await tools.call("search_files", query=wide * 4_096))["matches"] == []
     properties = tools.by_name["search_files"].args_model.model_json_schema()["properties"]
     assert properties["query"]["maxLength"] == 8_192 and properties["include"]["maxLength"] == 4_096
+
+
+async def test_regex_reads_javascript_escapes(make_tools, workspace: Path) -> None:
+    (workspace / "notes.txt").write_text("Alpha \U0001f600 grin\nbell\x07 here\ntab\x08back\n")
+    tools = make_tools()
+
+    async def lines(pattern: str) -> list[int]:
+        result = await tools.call("search_files", query=pattern, regex=True, include="*.txt")
+        return [m["line"] for m in result["matches"]]
+
+    assert await lines(r"\u0041lpha") == [1]
+    assert await lines(r"\uD83D\uDE00 grin") == [1]  # a surrogate pair is one character
+    assert await lines(r"bell\cG") == [2]
+    assert await lines(r"tab[\b]back") == [3]  # in a class, \b is a backspace
+    assert await lines(r"^b[^]ll") == [2]  # [^] is any character
+    assert await lines(r"a[]") == []  # [] matches nothing
+    lone = await tools.envelope("search_files", query=r"\uD83D", regex=True)
+    assert lone["error"] == "BAD_REQUEST" and "surrogate" in lone["message"]
+    assert await lines(r"(?i-s:ALPHA) \S+ (?ims-ims:grin)$") == [1]

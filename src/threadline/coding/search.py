@@ -6,7 +6,8 @@ threadline does better than the seeds, which run most lines on a backtracking en
 8,192 bytes: here every line is searched, whatever its length; only the *returned* text of a line is cut at
 8,192 bytes (on a character boundary, with ``text_truncated``). Constructs RE2 cannot run in linear time —
 backreferences and lookaround — refuse before any I/O with a hint. Patterns use the usual syntax (groups,
-alternation, classes, ``\\b``, quantifiers, ``(?i)``-style flags); ``^``/``$`` match at line boundaries and
+alternation, classes, ``\\b``, quantifiers, ``(?ims-ims:…)`` modifiers; the JavaScript spellings ``\\uXXXX``,
+``\\cX``, ``[\\b]``, ``[]`` and ``[^]`` are rewritten for RE2); ``^``/``$`` match at line boundaries and
 no match spans a newline.
 
 A content search reads one file at a time, each whole and at most ``max_read_bytes`` (a larger file is
@@ -91,6 +92,78 @@ def _unbounded_construct(pattern: str) -> str | None:
     return None
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _unicode_escape(pattern: str, index: int) -> int | None:
+    """The code unit of a ``\\uXXXX`` escape at ``index`` (the backslash), else None."""
+    digits = pattern[index + 2 : index + 6]
+    return int(digits, 16) if len(digits) == 4 and all(c in _HEX for c in digits) else None
+
+
+def _javascript_escapes(pattern: str) -> str:
+    """Rewrite the JavaScript spellings RE2 does not read into RE2's: ``\\uXXXX`` (a surrogate pair is one
+    character) as ``\\x{...}``, ``\\cX`` as its control character, ``[\\b]`` (backspace in a class),
+    the empty class ``[]`` (matches nothing) and ``[^]`` (any character). A lone surrogate refuses: it
+    cannot occur in UTF-8 text. Everything else is left for RE2 to read (or refuse)."""
+    if "\\u" not in pattern and "\\c" not in pattern and "[" not in pattern:
+        return pattern
+    out: list[str] = []
+    index, in_class = 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            following = pattern[index + 1 : index + 2]
+            unit = _unicode_escape(pattern, index) if following == "u" else None
+            if unit is not None:
+                width = 6
+                if 0xD800 <= unit <= 0xDBFF and pattern[index + 6 : index + 8] == "\\u":
+                    low = _unicode_escape(pattern, index + 6)
+                    if low is not None and 0xDC00 <= low <= 0xDFFF:
+                        unit, width = 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00), 12
+                if 0xD800 <= unit <= 0xDFFF:
+                    refuse(
+                        "BAD_REQUEST",
+                        "this pattern names a lone UTF-16 surrogate, which cannot occur in UTF-8 text",
+                        hint="name the whole character (a surrogate pair, or the character itself)",
+                        pattern=pattern,
+                    )
+                out.append(f"\\x{{{unit:X}}}")
+                index += width
+                continue
+            letter = pattern[index + 2 : index + 3]
+            if following == "c" and letter.isascii() and letter.isalpha():
+                out.append(f"\\x{{{ord(letter) % 32:02X}}}")
+                index += 3
+                continue
+            if in_class and following == "b":
+                out.append("\\x08")
+                index += 2
+                continue
+            out.append(pattern[index : index + 2])
+            index += 2
+            continue
+        if in_class:
+            if char == "]":
+                in_class = False
+        elif char == "[":
+            if pattern.startswith("[]", index):
+                out.append("[^\\x00-\\x{10FFFF}]")
+                index += 2
+                continue
+            if pattern.startswith("[^]", index):
+                out.append("(?s:.)")
+                index += 3
+                continue
+            in_class = True
+            out.append(pattern[index : index + 2] if pattern.startswith("[^", index) else char)
+            index += 2 if pattern.startswith("[^", index) else 1
+            continue
+        out.append(char)
+        index += 1
+    return "".join(out)
+
+
 def compile_search_regex(pattern: str) -> Any:
     """Compile ``pattern`` for line-wise search on UTF-8 bytes; refuses ``BAD_REQUEST`` (before any I/O)
     for backreferences, lookaround and invalid syntax."""
@@ -105,12 +178,13 @@ def compile_search_regex(pattern: str) -> Any:
             ),
             pattern=pattern,
         )
+    translated = _javascript_escapes(pattern)
     options = re2.Options()
     options.never_nl = True  # a match never spans lines
     options.never_capture = True
     options.log_errors = False
     try:
-        return re2.compile(("(?m)" + pattern).encode(), options)
+        return re2.compile(("(?m)" + translated).encode(), options)
     except re2.error as error:
         refuse(
             "BAD_REQUEST",

@@ -42,6 +42,11 @@ async def test_list_directory_caps_entries(make_tools, workspace: Path) -> None:
     result = await tools.call("list_directory", path="src")
     assert len(result["entries"]) == 10 and result["truncated"] is True
     assert result["coverage"]["reasons"] == ["max-list-entries"]
+    # the smaller of max_list_entries and max_search_entries caps the read, and the reason names it
+    entries = make_tools(limits=AgentCodingToolLimits(max_list_entries=10, max_search_entries=4))
+    capped = await entries.call("list_directory", path="src")
+    assert len(capped["entries"]) == 4 and capped["truncated"] is True
+    assert capped["coverage"]["reasons"] == ["max-search-entries"] and capped["coverage"]["entries"] == 4
 
 
 async def test_glob_matches_anchored_patterns_and_prunes_before_policy(make_tools, workspace: Path) -> None:

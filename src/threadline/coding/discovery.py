@@ -281,8 +281,9 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 stats.directories = 1
                 entries, truncated = scan_directory(fd, cap)
                 stats.entries = len(entries)
-                if truncated:
-                    stats.reason("max-list-entries")
+                if truncated:  # named after the smaller of the two limits, the one that stopped the read
+                    by_entries = limits.max_search_entries < limits.max_list_entries
+                    stats.reason("max-search-entries" if by_entries else "max-list-entries")
                 listed: list[dict[str, Any]] = []
                 for entry in entries:
                     child = f"{relative}/{entry.name}" if segments else entry.name

@@ -164,3 +164,21 @@ async def test_cancelling_the_call_cancels_the_pending_policy_and_closes_every_d
         await asyncio.wait_for(task, 10)
     assert host.cancelled == ["src/deep/x.py"]
     assert open_descriptors() == before
+
+
+async def test_a_call_that_ends_past_its_deadline_says_timeout_even_with_nothing_left_to_visit(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "empty"
+    root.mkdir()
+
+    def slow_authorize(payload: dict[str, Any]) -> bool:
+        time.sleep(0.5)  # a sync decision that returns past the 0.3 s deadline
+        return True
+
+    built = create_agent_coding_tools(root=root, authorize=slow_authorize, limits=SHORT)
+    tools = {t.name: t for t in built}
+    for name, arguments in (("list_directory", {}), ("glob", {"pattern": "**"}), ("search_files", {"query": "x"})):
+        result = await call(tools, name, **arguments)
+        assert result["coverage"]["reasons"] == ["timeout"], name
+        assert result["coverage"]["complete"] is False and result["truncated"] is True, name

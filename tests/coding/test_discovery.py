@@ -42,6 +42,11 @@ async def test_list_directory_caps_entries(make_tools, workspace: Path) -> None:
     result = await tools.call("list_directory", path="src")
     assert len(result["entries"]) == 10 and result["truncated"] is True
     assert result["coverage"]["reasons"] == ["max-list-entries"]
+    # the smaller of max_list_entries and max_search_entries caps the read, and the reason names it
+    entries = make_tools(limits=AgentCodingToolLimits(max_list_entries=10, max_search_entries=4))
+    capped = await entries.call("list_directory", path="src")
+    assert len(capped["entries"]) == 4 and capped["truncated"] is True
+    assert capped["coverage"]["reasons"] == ["max-search-entries"] and capped["coverage"]["entries"] == 4
 
 
 async def test_glob_matches_anchored_patterns_and_prunes_before_policy(make_tools, workspace: Path) -> None:
@@ -171,3 +176,75 @@ async def test_discovery_budgets_stop_with_reasons(make_tools, workspace: Path) 
         result = await tools.call("search_files", query="hello")
         assert reason in result["coverage"]["reasons"], reason
         assert result["coverage"]["complete"] is False
+
+
+def _serialized(result: dict) -> int:
+    return len(json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+async def test_denied_and_error_diagnostics_stay_within_the_output_ceiling(make_tools, workspace: Path) -> None:
+    # the ceiling is the whole serialized result, diagnostics included: long denied names shorten the list
+    for n in range(60):
+        (workspace / f"deny_{'n' * 200}{n:02}").write_text("hello\n")
+    denied = tuple(f"deny_{'n' * 200}{n:02}" for n in range(60))
+    tools = make_tools(deny=denied, limits=AgentCodingToolLimits(max_search_output_bytes=1_024))
+    for name, arguments in (
+        ("list_directory", {}),
+        ("glob", {"pattern": "**"}),
+        ("search_files", {"query": "hello"}),
+    ):
+        result = await tools.call(name, **arguments)
+        assert _serialized(result) <= 1_024, name
+        assert len(result["denied"]) < 60 and result["denied_truncated"] is True, name
+        assert "denied" in result["coverage"]["reasons"] and result["coverage"]["complete"] is False, name
+    roomy = make_tools(deny=denied)
+    listed = await roomy.call("list_directory")
+    assert len(listed["denied"]) == 60 and listed["denied_truncated"] is False
+
+
+async def test_a_listing_whose_smallest_result_cannot_fit_refuses_before_any_access(make_tools) -> None:
+    tools = make_tools(limits=AgentCodingToolLimits(max_search_output_bytes=1_024))
+    long_path = "/".join(["d" * 200] * 4)  # does not exist: the refusal comes before the filesystem is asked
+    refused = await tools.envelope("list_directory", path=long_path)
+    assert refused["error"] == "BAD_REQUEST" and refused["status"] == 400
+    assert tools.paths == [] and tools.asked == []
+    glob = await tools.envelope("glob", pattern="*", path=long_path)
+    assert glob["error"] == "BAD_REQUEST" and tools.paths == [] and tools.asked == []
+    assert (await tools.envelope("list_directory", path="missing"))["error"] == "NOT_FOUND"
+
+
+async def test_pattern_and_query_limits_count_utf16_code_units(make_tools) -> None:
+    # glob and include patterns: 4,096 UTF-16 code units; queries: 8,192 (a character beyond U+FFFF is two)
+    tools = make_tools()
+    wide = "\U0001f600"
+    assert (await tools.call("glob", pattern=wide * 2_048))["paths"] == []
+    assert (await tools.envelope("glob", pattern=wide * 2_049))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("glob", pattern="a" * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query="x", include=wide * 2_048))["matches"] == []
+    assert (await tools.envelope("search_files", query="x", include=wide * 2_049))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("search_files", query="x", include="a" * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query="q" * 8_192))["matches"] == []
+    assert (await tools.envelope("search_files", query="q" * 8_193))["error"] == "BAD_REQUEST"
+    assert (await tools.envelope("search_files", query=wide * 4_097))["error"] == "BAD_REQUEST"
+    assert (await tools.call("search_files", query=wide * 4_096))["matches"] == []
+    properties = tools.by_name["search_files"].args_model.model_json_schema()["properties"]
+    assert properties["query"]["maxLength"] == 8_192 and properties["include"]["maxLength"] == 4_096
+
+
+async def test_regex_reads_javascript_escapes(make_tools, workspace: Path) -> None:
+    (workspace / "notes.txt").write_text("Alpha \U0001f600 grin\nbell\x07 here\ntab\x08back\n")
+    tools = make_tools()
+
+    async def lines(pattern: str) -> list[int]:
+        result = await tools.call("search_files", query=pattern, regex=True, include="*.txt")
+        return [m["line"] for m in result["matches"]]
+
+    assert await lines(r"\u0041lpha") == [1]
+    assert await lines(r"\uD83D\uDE00 grin") == [1]  # a surrogate pair is one character
+    assert await lines(r"bell\cG") == [2]
+    assert await lines(r"tab[\b]back") == [3]  # in a class, \b is a backspace
+    assert await lines(r"^b[^]ll") == [2]  # [^] is any character
+    assert await lines(r"a[]") == []  # [] matches nothing
+    lone = await tools.envelope("search_files", query=r"\uD83D", regex=True)
+    assert lone["error"] == "BAD_REQUEST" and "surrogate" in lone["message"]
+    assert await lines(r"(?i-s:ALPHA) \S+ (?ims-ims:grin)$") == [1]

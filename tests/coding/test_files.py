@@ -103,7 +103,23 @@ async def test_read_file_refusals(make_tools, workspace: Path) -> None:
         assert envelope["_hint"]
         assert str(workspace) not in repr(envelope)
     envelope = await asyncio.wait_for(tools.envelope("read_file", path="pipe"), timeout=5)
-    assert envelope["error"] == "BAD_REQUEST"
+    assert envelope["error"] == "BAD_REQUEST" and envelope["_hint"]
+
+
+async def test_every_ordinary_refusal_names_the_next_move(make_tools) -> None:
+    tools = make_tools()
+    for name, arguments in (
+        ("read_file", {"path": "."}),
+        ("write_file", {"path": ".", "content": "x"}),
+        ("edit_file", {"path": ".", "old_text": "a", "new_text": "b"}),
+        ("read_file", {"path": "src//app.py"}),
+        ("read_file", {"path": ""}),
+        ("list_directory", {"path": "README.md"}),
+        ("glob", {"pattern": "../*"}),
+    ):
+        envelope = await tools.envelope(name, **arguments)
+        assert envelope["error"] == "BAD_REQUEST" and envelope["status"] == 400, (name, arguments)
+        assert envelope["_hint"], (name, arguments)
 
 
 async def test_absolute_path_refusal_names_the_recovery_path(make_tools, workspace: Path) -> None:

@@ -51,19 +51,76 @@ def json_size(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
 
 
+COVERAGE_REASONS: tuple[str, ...] = (
+    "denied",
+    "unreadable",
+    "binary",
+    "invalid-utf8",
+    "max-read-bytes",
+    "max-list-entries",
+    "max-search-files",
+    "max-search-depth",
+    "max-search-directories",
+    "max-search-entries",
+    "max-search-bytes",
+    "max-search-results",
+    "max-search-output-bytes",
+    "timeout",
+)
+"""Every reason ``coverage.reasons`` can name."""
+
+_WIDEST_COUNTER = 10**12  # wider than any counter or elapsed time a call can reach
+
+
+def widest_envelope(envelope: dict[str, Any]) -> dict[str, Any]:
+    """``envelope`` (an empty result) at its largest fixed size: every coverage reason, the widest counters,
+    every flag true and both diagnostics present but shortened to nothing. What a result costs beyond its
+    items and diagnostic entries is never more than this."""
+    widest = dict(envelope)
+    report = dict(widest["coverage"])
+    report["complete"] = False
+    report["reasons"] = list(COVERAGE_REASONS)
+    for key in ("directories", "entries", "elapsed_ms", "bytes"):
+        if key in report:
+            report[key] = _WIDEST_COUNTER
+    widest["coverage"] = report
+    for key in ("scanned_files", "skipped_directories", "skipped_symlinks"):
+        if key in widest:
+            widest[key] = _WIDEST_COUNTER
+    for key in ("truncated", "result_truncated"):
+        if key in widest:
+            widest[key] = True
+    widest.update(denied=[], denied_truncated=True, errors=[], errors_truncated=True)
+    return widest
+
+
 class OutputBudget:
-    """The serialized-output ceiling of one discovery result: items are admitted while the whole result
-    (envelope included) stays within ``max_bytes``."""
+    """The serialized-output ceiling of one discovery result (``max_search_output_bytes``, the whole UTF-8
+    JSON). The fixed part is measured once at its widest (:func:`widest_envelope`); items, then diagnostic
+    entries, are admitted one at a time while they fit, so the result never exceeds the ceiling.
+    ``fits`` is false when even the smallest result would not: the call refuses before any filesystem
+    access."""
 
     def __init__(self, max_bytes: int, envelope: dict[str, Any]) -> None:
-        # room for the coverage counters, denied/errors lists and a hint, measured once
-        self.remaining = max_bytes - json_size(envelope) - 64
+        self.remaining = max_bytes - json_size(widest_envelope(envelope))
+        self.fits = self.remaining >= 0
         self.exhausted = False
 
     def take(self, item: Any) -> bool:
         cost = json_size(item) + 1
         if self.exhausted or cost > self.remaining:
             self.exhausted = True
+            return False
+        self.remaining -= cost
+        return True
+
+    def take_diagnostic(self, item: Any) -> bool:
+        """Admit one ``denied`` / ``errors`` entry (after the items, so never at their expense)."""
+        if self.remaining < 0:  # linear: once one entry did not fit, the rest are not measured
+            return False
+        cost = json_size(item) + 1
+        if cost > self.remaining:
+            self.remaining = -1
             return False
         self.remaining -= cost
         return True
@@ -106,15 +163,27 @@ def coverage(
     return report
 
 
-def diagnostics(stats: WalkStats) -> dict[str, Any]:
-    """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any."""
+def observe_deadline(stats: WalkStats, deadline: float) -> None:
+    """Checked once more as the result is assembled, so a call that ends past its deadline (a sync host
+    callback that returned late, an empty directory with nothing left to check between) says ``timeout``
+    even when nothing was cut."""
+    if time.monotonic() > deadline:
+        stats.reason("timeout")
+
+
+def diagnostics(stats: WalkStats, budget: OutputBudget) -> dict[str, Any]:
+    """``denied`` / ``errors`` (workspace-relative path, kind or operation and a safe code) when any, each
+    entry admitted within what the output budget has left; ``denied_truncated`` / ``errors_truncated`` say
+    when the list is shorter than what was found (its own bound, or the output ceiling)."""
     out: dict[str, Any] = {}
     if stats.denied_count:
-        out["denied"] = list(stats.denied)
-        out["denied_truncated"] = stats.denied_truncated
+        denied = [item for item in stats.denied if budget.take_diagnostic(item)]
+        out["denied"] = denied
+        out["denied_truncated"] = stats.denied_count > len(denied)
     if stats.errors_count:
-        out["errors"] = list(stats.errors)
-        out["errors_truncated"] = stats.errors_truncated
+        errors = [item for item in stats.errors if budget.take_diagnostic(item)]
+        out["errors"] = errors
+        out["errors_truncated"] = stats.errors_count > len(errors)
     return out
 
 
@@ -179,8 +248,25 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
         started = time.monotonic()
         deadline = started + limits.search_timeout
         async with workspace_refusals():
+            relative = join_segments(
+                config.workspace.parse(path, allow_root=True, max_path_bytes=limits.max_path_bytes)
+            )
+            scope = scope_of(config, base=relative, symlinks="listed")
+            envelope = {
+                "path": relative,
+                "entries": [],
+                "truncated": False,
+                "coverage": coverage(new_stats(config), started=started, scope=scope),
+            }
+            budget = OutputBudget(limits.max_search_output_bytes, envelope)
+            if not budget.fits:
+                refuse(
+                    "BAD_REQUEST",
+                    "the smallest listing of this path would not fit the output limit",
+                    path=relative,
+                    hint="list a shorter path; the host can raise limits.max_search_output_bytes",
+                )
             segments, fd = await open_discovery_base(config, path, deadline)
-            relative = join_segments(segments)
             try:
                 await authorize(config, {"operation": "list", "path": relative}, deadline=deadline)
                 if config.workspace.directory_identity(segments) != _identity_of(fd):
@@ -195,17 +281,9 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 stats.directories = 1
                 entries, truncated = scan_directory(fd, cap)
                 stats.entries = len(entries)
-                if truncated:
-                    stats.reason("max-list-entries")
-                envelope = {
-                    "path": relative,
-                    "entries": [],
-                    "truncated": False,
-                    "coverage": coverage(
-                        stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")
-                    ),
-                }
-                budget = OutputBudget(limits.max_search_output_bytes, envelope)
+                if truncated:  # named after the smaller of the two limits, the one that stopped the read
+                    by_entries = limits.max_search_entries < limits.max_list_entries
+                    stats.reason("max-search-entries" if by_entries else "max-list-entries")
                 listed: list[dict[str, Any]] = []
                 for entry in entries:
                     child = f"{relative}/{entry.name}" if segments else entry.name
@@ -232,12 +310,13 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                     listed.append(item)
             finally:
                 os.close(fd)
+        observe_deadline(stats, deadline)
         return {
             "path": relative,
             "entries": listed,
             "truncated": bool(stats.reasons and set(stats.reasons) - {"denied"}),
-            **diagnostics(stats),
-            "coverage": coverage(stats, started=started, scope=scope_of(config, base=relative, symlinks="listed")),
+            **diagnostics(stats, budget),
+            "coverage": coverage(stats, started=started, scope=scope),
         }
 
     @define_agent_tool(
@@ -268,11 +347,11 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
                 "coverage": coverage(new_stats(config), started=started, scope={**scope, "pattern": pattern}),
             }
             budget = OutputBudget(limits.max_search_output_bytes, empty)
-            if budget.remaining < 0:
+            if not budget.fits:
                 refuse(
                     "BAD_REQUEST",
                     "the smallest result for this pattern would not fit the output limit",
-                    hint="use a shorter pattern",
+                    hint="use a shorter pattern or path; the host can raise limits.max_search_output_bytes",
                 )
             deadline = started + limits.search_timeout
             segments, fd = await open_discovery_base(config, path, deadline)
@@ -280,6 +359,7 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             await authorize(config, {"operation": "glob", "pattern": pattern, "path": relative}, deadline=deadline)
             stats = new_stats(config)
             paths, result_truncated = await _glob_walk(config, compiled, segments, stats, budget, started)
+        observe_deadline(stats, deadline)
         return {
             "paths": paths,
             "truncated": bool(set(stats.reasons) - {"max-search-results"}),
@@ -287,7 +367,7 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             "skipped_directories": stats.excluded_directories,
             "skipped_symlinks": stats.skipped_symlinks,
             "scanned_files": stats.files,
-            **diagnostics(stats),
+            **diagnostics(stats, budget),
             "coverage": coverage(stats, started=started, scope={**scope, "pattern": pattern}),
         }
 

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ("MAX_GLOB_PATTERN_CHARS", "GlobPattern", "compile_glob")
+__all__ = ("MAX_GLOB_PATTERN_CHARS", "GlobPattern", "compile_glob", "utf16_units")
 
 MAX_GLOB_PATTERN_CHARS = 4_096
+"""The longest glob or ``include`` pattern, in UTF-16 code units (a character beyond U+FFFF counts two)."""
+
+
+def utf16_units(text: str) -> int:
+    """The length of ``text`` in UTF-16 code units, the unit the seeds' pattern and query limits count."""
+    return len(text) + sum(1 for char in text if ord(char) > 0xFFFF)
 
 
 def _segment_regex(segment: str) -> re.Pattern[str] | None:
@@ -101,8 +107,8 @@ def compile_glob(pattern: str) -> GlobPattern:
     ``.`` or empty segment, a backslash, NUL)."""
     if not pattern:
         raise ValueError("a glob pattern cannot be empty")
-    if len(pattern) > MAX_GLOB_PATTERN_CHARS:
-        raise ValueError(f"a glob pattern is limited to {MAX_GLOB_PATTERN_CHARS} characters")
+    if len(pattern) > MAX_GLOB_PATTERN_CHARS or utf16_units(pattern) > MAX_GLOB_PATTERN_CHARS:
+        raise ValueError(f"a glob pattern is limited to {MAX_GLOB_PATTERN_CHARS} UTF-16 code units")
     if "\x00" in pattern or "\\" in pattern:
         raise ValueError("a glob pattern cannot contain a NUL or a backslash (use '/')")
     if pattern.startswith("/"):

@@ -6,7 +6,8 @@ threadline does better than the seeds, which run most lines on a backtracking en
 8,192 bytes: here every line is searched, whatever its length; only the *returned* text of a line is cut at
 8,192 bytes (on a character boundary, with ``text_truncated``). Constructs RE2 cannot run in linear time —
 backreferences and lookaround — refuse before any I/O with a hint. Patterns use the usual syntax (groups,
-alternation, classes, ``\\b``, quantifiers, ``(?i)``-style flags); ``^``/``$`` match at line boundaries and
+alternation, classes, ``\\b``, quantifiers, ``(?ims-ims:…)`` modifiers; the JavaScript spellings ``\\uXXXX``,
+``\\cX``, ``[\\b]``, ``[]`` and ``[^]`` are rewritten for RE2); ``^``/``$`` match at line boundaries and
 no match spans a newline.
 
 A content search reads one file at a time, each whole and at most ``max_read_bytes`` (a larger file is
@@ -43,22 +44,30 @@ from .discovery import (
     diagnostics,
     excluded_by,
     new_stats,
+    observe_deadline,
     open_discovery_base,
     scope_of,
     walk_limits,
 )
-from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob
+from .globs import MAX_GLOB_PATTERN_CHARS, compile_glob, utf16_units
 from .policy import CodingConfig, authorize, path_decision, refuse, workspace_refusals
 from .workspace import WalkStats, WorkspaceError
 
 __all__ = ("MAX_LINE_BYTES", "MAX_QUERY_CHARS", "compile_search_regex", "create_search_tools")
 
 MAX_QUERY_CHARS = 8_192
+"""The longest query, in UTF-16 code units (a character beyond U+FFFF counts two)."""
 MAX_LINE_BYTES = 8_192
 MAX_CONTEXT_LINES = 10
 _BINARY_PROBE = 65_536
 
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+INCLUDE_HINT = (
+    "the anchored include pattern (coverage.scope.include) admitted no file; '*' does not cross '/', so use a "
+    "pattern such as '**/*.py' for files in subdirectories"
+)
+"""The hint of a search whose include admitted no file (the pattern itself is in ``coverage.scope``)."""
 
 
 def _unbounded_construct(pattern: str) -> str | None:
@@ -83,6 +92,78 @@ def _unbounded_construct(pattern: str) -> str | None:
     return None
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _unicode_escape(pattern: str, index: int) -> int | None:
+    """The code unit of a ``\\uXXXX`` escape at ``index`` (the backslash), else None."""
+    digits = pattern[index + 2 : index + 6]
+    return int(digits, 16) if len(digits) == 4 and all(c in _HEX for c in digits) else None
+
+
+def _javascript_escapes(pattern: str) -> str:
+    """Rewrite the JavaScript spellings RE2 does not read into RE2's: ``\\uXXXX`` (a surrogate pair is one
+    character) as ``\\x{...}``, ``\\cX`` as its control character, ``[\\b]`` (backspace in a class),
+    the empty class ``[]`` (matches nothing) and ``[^]`` (any character). A lone surrogate refuses: it
+    cannot occur in UTF-8 text. Everything else is left for RE2 to read (or refuse)."""
+    if "\\u" not in pattern and "\\c" not in pattern and "[" not in pattern:
+        return pattern
+    out: list[str] = []
+    index, in_class = 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            following = pattern[index + 1 : index + 2]
+            unit = _unicode_escape(pattern, index) if following == "u" else None
+            if unit is not None:
+                width = 6
+                if 0xD800 <= unit <= 0xDBFF and pattern[index + 6 : index + 8] == "\\u":
+                    low = _unicode_escape(pattern, index + 6)
+                    if low is not None and 0xDC00 <= low <= 0xDFFF:
+                        unit, width = 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00), 12
+                if 0xD800 <= unit <= 0xDFFF:
+                    refuse(
+                        "BAD_REQUEST",
+                        "this pattern names a lone UTF-16 surrogate, which cannot occur in UTF-8 text",
+                        hint="name the whole character (a surrogate pair, or the character itself)",
+                        pattern=pattern,
+                    )
+                out.append(f"\\x{{{unit:X}}}")
+                index += width
+                continue
+            letter = pattern[index + 2 : index + 3]
+            if following == "c" and letter.isascii() and letter.isalpha():
+                out.append(f"\\x{{{ord(letter) % 32:02X}}}")
+                index += 3
+                continue
+            if in_class and following == "b":
+                out.append("\\x08")
+                index += 2
+                continue
+            out.append(pattern[index : index + 2])
+            index += 2
+            continue
+        if in_class:
+            if char == "]":
+                in_class = False
+        elif char == "[":
+            if pattern.startswith("[]", index):
+                out.append("[^\\x00-\\x{10FFFF}]")
+                index += 2
+                continue
+            if pattern.startswith("[^]", index):
+                out.append("(?s:.)")
+                index += 3
+                continue
+            in_class = True
+            out.append(pattern[index : index + 2] if pattern.startswith("[^", index) else char)
+            index += 2 if pattern.startswith("[^", index) else 1
+            continue
+        out.append(char)
+        index += 1
+    return "".join(out)
+
+
 def compile_search_regex(pattern: str) -> Any:
     """Compile ``pattern`` for line-wise search on UTF-8 bytes; refuses ``BAD_REQUEST`` (before any I/O)
     for backreferences, lookaround and invalid syntax."""
@@ -97,12 +178,13 @@ def compile_search_regex(pattern: str) -> Any:
             ),
             pattern=pattern,
         )
+    translated = _javascript_escapes(pattern)
     options = re2.Options()
     options.never_nl = True  # a match never spans lines
     options.never_capture = True
     options.log_errors = False
     try:
-        return re2.compile(("(?m)" + pattern).encode(), options)
+        return re2.compile(("(?m)" + translated).encode(), options)
     except re2.error as error:
         refuse(
             "BAD_REQUEST",
@@ -168,14 +250,18 @@ def _lines_after(data: bytes, line_end: int, count: int) -> list[str]:
 
 class SearchFilesArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS, description="Text (or regex) to find.")
+    # the length limits (UTF-16 code units) are checked by the tool, which refuses BAD_REQUEST; the schema
+    # still advertises them to the model
+    query: str = Field(
+        min_length=1, json_schema_extra={"maxLength": MAX_QUERY_CHARS}, description="Text (or regex) to find."
+    )
     mode: Literal["content", "path"] = Field("content", description="Search file contents, or file paths.")
     regex: bool = Field(False, description="Treat query as a regular expression (linear-time RE2 syntax).")
     context: int = Field(0, ge=0, le=MAX_CONTEXT_LINES, description="Lines of context around each content match.")
     include: str | None = Field(
         None,
         min_length=1,
-        max_length=MAX_GLOB_PATTERN_CHARS,
+        json_schema_extra={"maxLength": MAX_GLOB_PATTERN_CHARS},
         description=(
             "Anchored pattern matched against the whole workspace-relative path. '*' does not cross '/'; "
             "use '**/*.py' for files in subdirectories."
@@ -202,6 +288,12 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
         include: str | None = None,
     ) -> dict[str, Any]:
         started = time.monotonic()
+        if utf16_units(query) > MAX_QUERY_CHARS:
+            refuse(
+                "BAD_REQUEST",
+                f"a query is limited to {MAX_QUERY_CHARS} UTF-16 code units",
+                hint="search for a shorter, distinctive part of the text",
+            )
         matcher = compile_search_regex(query) if regex else None
         included = None
         if include is not None:
@@ -210,7 +302,7 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             except ValueError as error:
                 refuse("BAD_REQUEST", f"include: {error}", hint="use '**', '*' and '?' in a relative pattern")
         scope = scope_of(config, base=".", symlinks="skipped", include=include)
-        empty = {
+        empty: dict[str, Any] = {
             "matches": [],
             "truncated": False,
             "scanned_files": 0,
@@ -218,8 +310,10 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             "skipped_symlinks": 0,
             "coverage": coverage(new_stats(config), started=started, scope=scope, content_bytes=0),
         }
+        if include is not None:
+            empty["hint"] = INCLUDE_HINT
         budget = OutputBudget(limits.max_search_output_bytes, empty)
-        if budget.remaining < 0:
+        if not budget.fits:
             refuse(
                 "BAD_REQUEST",
                 "the smallest result for this search would not fit the output limit",
@@ -245,20 +339,18 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             async for entry in walk:
                 if not run.visit(entry):
                     break
+        observe_deadline(stats, deadline)
         result: dict[str, Any] = {
             "matches": run.matches,
             "truncated": bool(stats.reasons),
             "scanned_files": run.scanned,
             "skipped_directories": stats.excluded_directories,
             "skipped_symlinks": stats.skipped_symlinks,
-            **diagnostics(stats),
+            **diagnostics(stats, budget),
             "coverage": coverage(stats, started=started, scope=scope, content_bytes=run.content_bytes),
         }
         if include is not None and run.scanned == 0 and stats.files == 0:
-            result["hint"] = (
-                f"the anchored include pattern {include!r} admitted no file; '*' does not cross '/', so use a "
-                "pattern such as '**/*.py' for files in subdirectories"
-            )
+            result["hint"] = INCLUDE_HINT
         return result
 
     return [search_files]

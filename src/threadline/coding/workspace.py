@@ -637,7 +637,11 @@ class Workspace:
         if path == ".":
             if allow_root:
                 return ()
-            raise WorkspacePathError("this operation needs a file path, not the root", path=".")
+            raise WorkspacePathError(
+                "this operation needs a file path, not the root",
+                path=".",
+                hint="name a file under the root; list_directory shows what is there",
+            )
         segments = tuple(path.split("/"))
         for segment in segments:
             if segment == "..":
@@ -718,7 +722,11 @@ class Workspace:
         """Open the regular file at ``segments`` (see :func:`_open_regular_at`): looked at first, opened
         non-blocking, never through a symlink; a FIFO, device, socket or directory refuses."""
         if not segments:
-            raise WorkspaceNotRegularFileError("the root is a directory, not a file", path=".")
+            raise WorkspaceNotRegularFileError(
+                "the root is a directory, not a file",
+                path=".",
+                hint="name a file under the root; list_directory shows what is there",
+            )
         relative = join_segments(segments)
         parent = self.open_directory(segments[:-1])
         try:
@@ -743,7 +751,9 @@ class Workspace:
                 )
             data = opened.read(0, max_bytes + 1)
         if len(data) > max_bytes:
-            raise WorkspaceChangedError("this file grew while it was read", path=join_segments(segments))
+            raise WorkspaceChangedError(
+                "this file grew while it was read", path=join_segments(segments), hint="call again"
+            )
         return data
 
     def file_identity(self, segments: Sequence[str]) -> Identity | None:

@@ -505,6 +505,50 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
     _equal(copied[0].metadata, {"ticket": {"id": "T-7", "links": ["x"]}}, "other metadata is copied unchanged")
 
 
+@_case("ledger_branch_provider_records")
+async def case_ledger_branch_provider_records(store: AgentRuntimeStore) -> None:
+    """A branch checks the selected provider records as an import does: a request naming digests no body
+    before it holds (appended by hand) refuses the branch before anything is written, so no copy exists
+    that an import would refuse; a prefix selected before that record still branches."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-provider")
+    await c.turn("t1")
+    await store.append_event(
+        conversation_id=c.cid,
+        kind="provider/request",
+        payload={
+            "run_id": c.run("t1"),
+            "attempt": 1,
+            "step_number": 0,
+            "instructions_sha256": "0" * 64,
+            "prefix": {"count": 2, "sha256": "1" * 64},
+            "message_shas": ["2" * 64],
+        },
+    )
+    await c.turn("t2")
+    error = await _raises(
+        AgentBranchRefusedError,
+        "unchecked provider records",
+        store.branch_conversation,
+        request_key="p1",
+        destination_conversation_id="ledger-branch-provider-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    _equal(error.code, "BRANCH_SOURCE_INVALID", "provider records that do not check")
+    _equal(
+        (await store.read_events(conversation_id="ledger-branch-provider-copy")).items,
+        (),
+        "a refused branch writes nothing",
+    )
+    earlier = await store.branch_conversation(
+        request_key="p2",
+        destination_conversation_id="ledger-branch-provider-early",
+        source={"kind": "conversation", "conversation_id": c.cid, "through_run_id": c.run("t1")},
+    )
+    _equal(earlier.outcome, "created", "a prefix before the bad record")
+
+
 @_case("ledger_durable_steps")
 async def case_ledger_durable_steps(store: AgentRuntimeStore, factory: StoreFactory) -> None:
     """Durable steps kept in the ledger (what ``create_local_step_durability(store=)`` stands on,

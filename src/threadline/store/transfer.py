@@ -343,6 +343,14 @@ async def _branch(
             f"the selected prefix still has active runs {active}; branch through an earlier run, or settle them",
         )
     selected = [e for e in events if e.seq <= boundary]
+    if kind == "conversation":  # an archive's provider records were checked with the rest of it
+        with _collector_paused():
+            problems = check_provider_requests(selected)
+        if problems:  # records appended by hand that an import of the copy would refuse
+            raise AgentBranchRefusedError(
+                "BRANCH_SOURCE_INVALID",
+                f"the source's provider records do not check: {problems[0]}; a copy could not be imported",
+            )
     _refuse_runtime_references(state)
     if any(e.kind == "spill/created" for e in selected) and artifact_authorization is None:
         raise AgentBranchRefusedError(

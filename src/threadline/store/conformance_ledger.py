@@ -451,9 +451,9 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
 
 @_case("ledger_branch_metadata_reference")
 async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> None:
-    """Message metadata is copied as it is: a key in it that names an engine identity (a run id, say, at any
-    depth) refuses the branch before anything is written, naming the message and the path; other metadata
-    is copied unchanged."""
+    """Message metadata and a part's provider metadata are copied as they are: a key in them that names an
+    engine identity (a run id, say, at any depth) refuses the branch before anything is written, naming the
+    message and the path; other metadata is copied unchanged."""
     if await _absent(store):
         return
     c = _Conv(store, "ledger-branch-ref")
@@ -503,6 +503,49 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
     )
     copied = (await store.load_snapshot(conversation_id="ledger-branch-plain-copy")).messages
     _equal(copied[0].metadata, {"ticket": {"id": "T-7", "links": ["x"]}}, "other metadata is copied unchanged")
+    # provider metadata on a part (its envelope) is opaque data under the same guard, and otherwise retained
+    envelope = _Conv(store, "ledger-branch-envelope")
+    for n, data in (("t1", {"item": "rs_1", "signature": "abc"}), ("t2", {"items": [{"runId": "run-elsewhere"}]})):
+        run = await envelope.acquire((await envelope.admit(n)).run)
+        await store.commit_run_terminal(
+            conversation_id=envelope.cid,
+            run_id=run.id,
+            expected_revision=run.revision,
+            owner_id=run.owner_id or "",
+            fencing_token=run.fencing_token,
+            terminal_reason="success",
+            parts=[
+                {"type": "reasoning", "text": "thinking", "envelope": {"provider": "openai", "data": data}},
+                {"type": "text", "text": f"answer {n}"},
+            ],
+        )
+    error = await _raises(
+        AgentBranchRefusedError,
+        "provider metadata naming a run",
+        store.branch_conversation,
+        request_key="r3",
+        destination_conversation_id="ledger-branch-envelope-copy",
+        source={"kind": "conversation", "conversation_id": envelope.cid},
+    )
+    _equal(error.code, "BRANCH_METADATA_REFERENCE", "a runtime reference key in a part's provider metadata")
+    place = "parts[0].envelope.data.items[0]"
+    _expect(place in str(error) and envelope.out("t2") in str(error), "the error names the place")
+    _equal(
+        (await store.read_events(conversation_id="ledger-branch-envelope-copy")).items,
+        (),
+        "a refused branch writes nothing",
+    )
+    await store.branch_conversation(
+        request_key="r4",
+        destination_conversation_id="ledger-branch-envelope-early",
+        source={"kind": "conversation", "conversation_id": envelope.cid, "through_run_id": envelope.run("t1")},
+    )
+    answer = (await store.load_snapshot(conversation_id="ledger-branch-envelope-early")).messages[1]
+    _equal(
+        answer.parts[0].envelope.data,  # type: ignore[union-attr]
+        {"item": "rs_1", "signature": "abc"},
+        "provider metadata is retained",
+    )
 
 
 @_case("ledger_branch_provider_records")

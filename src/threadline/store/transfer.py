@@ -404,11 +404,16 @@ writes one into metadata."""
 
 
 def _refuse_runtime_references(state: Replayed) -> None:
-    """``BRANCH_METADATA_REFERENCE`` when the metadata of a copied message (or of an admitted input) holds a
-    :data:`RUNTIME_REFERENCE_KEYS` key at any depth, naming the message and the path."""
+    """``BRANCH_METADATA_REFERENCE`` when the metadata of a copied message (or of an admitted input), or the
+    provider metadata of one of its parts (``parts[i].envelope.data``: reasoning, tool-call, text and provider
+    parts), holds a :data:`RUNTIME_REFERENCE_KEYS` key at any depth, naming the message and the path."""
     owners = [*state.messages.values(), *(r.input for r in state.receipts.values())]
     for message in owners:
         stack: list[tuple[str, Any]] = [("metadata", message.metadata)]
+        for index, part in enumerate(message.parts):
+            envelope = getattr(part, "envelope", None)
+            if envelope is not None:
+                stack.append((f"parts[{index}].envelope.data", envelope.data))
         while stack:
             path, value = stack.pop()
             if isinstance(value, dict):

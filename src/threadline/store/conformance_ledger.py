@@ -449,6 +449,47 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
 
 
+@_case("ledger_branch_copy_transfers")
+async def case_ledger_branch_copy_transfers(store: AgentRuntimeStore, factory: StoreFactory) -> None:
+    """A branched conversation is an ordinary conversation: with the records copied after its baseline and a
+    turn of its own, it exports, imports into an empty store (export -> import -> export byte-identical)
+    and branches again."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-transfer")
+    await c.turn("t1")
+    await store.append_event(conversation_id=c.cid, kind="state/set", payload={"name": "goal", "value": "ship"})
+    await c.turn("t2")
+    copy = "ledger-branch-transfer-copy"
+    await store.branch_conversation(
+        request_key="x1", destination_conversation_id=copy, source={"kind": "conversation", "conversation_id": c.cid}
+    )
+    kinds = [e.kind for e in await _journal(store, copy)]
+    _equal(kinds, ["runtime/baseline", "runtime/branch-observation"], "the copy's journal")
+    await _Conv(store, copy).turn("t3")
+    data = await store.export_conversation(copy)
+    async with factory() as other:
+        result = await other.import_conversation(data)
+        _equal(result.conversation_id, copy, "the copy imports")
+        _equal(await other.export_conversation(copy), data, "export -> import -> export is byte-identical")
+        _equal(
+            await other.load_snapshot(conversation_id=copy),
+            await store.load_snapshot(conversation_id=copy),
+            "the imported copy",
+        )
+    again = await store.branch_conversation(
+        request_key="x2",
+        destination_conversation_id="ledger-branch-transfer-again",
+        source={"kind": "conversation", "conversation_id": copy},
+    )
+    _equal((again.outcome, again.receipt.source_conversation_id), ("created", copy), "a copy branches again")
+    _equal(
+        [m.parts for m in (await store.load_snapshot(conversation_id="ledger-branch-transfer-again")).messages],
+        [m.parts for m in (await store.load_snapshot(conversation_id=copy)).messages],
+        "the second copy holds the first copy's history",
+    )
+
+
 @_case("ledger_branch_metadata_reference")
 async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> None:
     """Message metadata and a part's provider metadata are copied as they are: a key in them that names an

@@ -447,6 +447,18 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
         source={"kind": "archive", "bytes": archive, "through_run_id": c.run("t1")},
     )
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
+    for selector in (
+        {"kind": "archive", "bytes": archive, "through_run_id": ""},
+        {"kind": "conversation", "conversation_id": c.cid, "through_run_id": ""},
+    ):  # an empty run id is a mistake, never "the settled tip"
+        await _raises(
+            AgentRecordValidationError,
+            f"an empty through_run_id ({selector['kind']})",
+            store.branch_conversation,
+            request_key="b6",
+            destination_conversation_id="ledger-copy-6",
+            source=selector,
+        )
 
 
 @_case("ledger_branch_copy_transfers")

@@ -203,12 +203,17 @@ def _source_selector(source: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
             )
         return kind, {"kind": kind, "conversation_id": cid, **({"through_run_id": through} if through else {})}
     if kind == "archive":
-        data = source.get("bytes")
-        if set(source) - {"kind", "bytes", "through_run_id"} or not isinstance(data, bytes | bytearray):
-            raise AgentRecordValidationError("source is {'kind': 'archive', 'bytes': bytes}", field="source")
-        through = source.get("through_run_id")
+        data, through = source.get("bytes"), source.get("through_run_id")
+        if (
+            set(source) - {"kind", "bytes", "through_run_id"}
+            or not isinstance(data, bytes | bytearray)
+            or (through is not None and (not isinstance(through, str) or not through))
+        ):
+            raise AgentRecordValidationError(
+                "source is {'kind': 'archive', 'bytes': bytes, 'through_run_id'?: str}", field="source"
+            )
         selector = {"kind": kind, "sha256": hashlib.sha256(bytes(data)).hexdigest()}
-        if through:
+        if through is not None:
             selector["through_run_id"] = through
         return kind, selector
     raise AgentRecordValidationError(f"source kind is 'conversation' or 'archive', got {kind!r}", field="source.kind")

@@ -502,6 +502,62 @@ async def case_ledger_branch_copy_transfers(store: AgentRuntimeStore, factory: S
     )
 
 
+@_case("ledger_branch_approvals")
+async def case_ledger_branch_approvals(store: AgentRuntimeStore) -> None:
+    """A branch gives approvals new ids like every engine identity — a request and its response still match
+    in the copy — and removes the request's signature."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-approval")
+    run = await c.acquire((await c.admit("t1")).run)
+    await store.commit_run_terminal(
+        conversation_id=c.cid,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=run.owner_id or "",
+        fencing_token=run.fencing_token,
+        terminal_reason="success",
+        parts=[
+            {"type": "tool-call", "call_id": "call-1", "tool_name": "rm", "input": {"path": "x"}},
+            {
+                "type": "approval-request",
+                "approval_id": "ap-source",
+                "call_id": "call-1",
+                "tool_name": "rm",
+                "input": {"path": "x"},
+                "signature": "signed-by-the-source",
+            },
+        ],
+    )
+    response = {"type": "approval-response", "approval_id": "ap-source", "call_id": "call-1", "approved": True}
+    run = await c.acquire(
+        (
+            await store.accept_input_and_assign_run(
+                conversation_id=c.cid,
+                idempotency_key=c.key("t2"),
+                input={"id": c.inp("t2"), "role": "tool", "parts": [response]},
+                run_id=c.run("t2"),
+                assistant_message_id=c.out("t2"),
+            )
+        ).run
+    )
+    await c.finish(run, text="removed")
+    await store.branch_conversation(
+        request_key="a1",
+        destination_conversation_id="ledger-branch-approval-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    parts = [
+        p for m in (await store.load_snapshot(conversation_id="ledger-branch-approval-copy")).messages for p in m.parts
+    ]
+    requests = [p for p in parts if p.type == "approval-request"]
+    responses = [p for p in parts if p.type == "approval-response"]
+    _equal((len(requests), len(responses)), (1, 1), "the copy holds the request and its response")
+    _expect(requests[0].approval_id != "ap-source", "the approval has a new id")  # type: ignore[union-attr]
+    _equal(requests[0].approval_id, responses[0].approval_id, "the request and its response still match")  # type: ignore[union-attr]
+    _equal(requests[0].signature, None, "the signature is removed")  # type: ignore[union-attr]
+
+
 @_case("ledger_branch_metadata_reference")
 async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> None:
     """Message metadata and a part's provider metadata are copied as they are: a key in them that names an

@@ -46,7 +46,7 @@ from ..ledger.events import (
     BaselineRecord,
     payload_record,
 )
-from ..records import STORAGE, ApprovalRequestPart, InputJoinedPart, Message, Part, Run, evolve
+from ..records import STORAGE, ApprovalRequestPart, ApprovalResponsePart, InputJoinedPart, Message, Part, Run, evolve
 from . import reducer
 from .driver import Access
 from .ids import new_id
@@ -256,7 +256,7 @@ async def _branch(
     ``through_run_id`` selects that run's ending (its terminal, or its abandon); omitted, the settled tip
     (compaction recorded after the last run included). The selected prefix must hold no queued or acquired
     run (``BRANCH_RUN_ACTIVE``); a later active run does not stop an earlier prefix. No provider or tool
-    runs. The copy gets new engine identities (runs, messages, operations); owners, fencing tokens and
+    runs. The copy gets new engine identities (runs, messages, operations, approvals); owners, fencing tokens and
     approval signatures are removed; its journal starts with one ``runtime/baseline`` holding the copied
     state and the :class:`AgentBranchReceipt`, then the source's provider records (bodies unchanged,
     run ids rekeyed) and, as inert ``runtime/branch-observation`` records, its state, schedule, child,
@@ -481,6 +481,12 @@ def _rekeyed(
     for receipt_record in state.receipts.values():
         message_ids.setdefault(receipt_record.input.id, new_id("msg"))
 
+    approval_ids: dict[str, str] = {}
+
+    def approval(approval_id: str) -> str:
+        """One new id per source approval id: a request and its response still match in the copy."""
+        return approval_ids.setdefault(approval_id, new_id("apr"))
+
     def part(p: Part) -> Part:
         if isinstance(p, InputJoinedPart):
             return evolve(
@@ -490,8 +496,10 @@ def _rekeyed(
                     "message_ids": tuple(message_ids.get(m, m) for m in p.message_ids),
                 },
             )
-        if isinstance(p, ApprovalRequestPart) and p.signature is not None:
-            return evolve(p, {"signature": None})
+        if isinstance(p, ApprovalRequestPart):  # a new approval id, and no signature
+            return evolve(p, {"approval_id": approval(p.approval_id), "signature": None})
+        if isinstance(p, ApprovalResponsePart):
+            return evolve(p, {"approval_id": approval(p.approval_id)})
         return p
 
     def message(m: Message) -> Message:
@@ -557,6 +565,8 @@ def _rekeyed(
         elif event.kind in OBSERVED_KINDS:
             if isinstance(payload, dict) and isinstance(payload.get("run_id"), str):
                 payload = {**payload, "run_id": run_ids.get(payload["run_id"], payload["run_id"])}
+            if isinstance(payload, dict) and payload.get("approval_id") in approval_ids:
+                payload = {**payload, "approval_id": approval_ids[payload["approval_id"]]}
             observation = {
                 "source_conversation_id": receipt.source_conversation_id,
                 "source_seq": event.seq,

@@ -447,13 +447,122 @@ async def case_ledger_branch(store: AgentRuntimeStore) -> None:
         source={"kind": "archive", "bytes": archive, "through_run_id": c.run("t1")},
     )
     _equal(from_archive.receipt.source_kind, "archive", "a branch from an archive")
+    for selector in (
+        {"kind": "archive", "bytes": archive, "through_run_id": ""},
+        {"kind": "conversation", "conversation_id": c.cid, "through_run_id": ""},
+    ):  # an empty run id is a mistake, never "the settled tip"
+        await _raises(
+            AgentRecordValidationError,
+            f"an empty through_run_id ({selector['kind']})",
+            store.branch_conversation,
+            request_key="b6",
+            destination_conversation_id="ledger-copy-6",
+            source=selector,
+        )
+
+
+@_case("ledger_branch_copy_transfers")
+async def case_ledger_branch_copy_transfers(store: AgentRuntimeStore, factory: StoreFactory) -> None:
+    """A branched conversation is an ordinary conversation: with the records copied after its baseline and a
+    turn of its own, it exports, imports into an empty store (export -> import -> export byte-identical)
+    and branches again."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-transfer")
+    await c.turn("t1")
+    await store.append_event(conversation_id=c.cid, kind="state/set", payload={"name": "goal", "value": "ship"})
+    await c.turn("t2")
+    copy = "ledger-branch-transfer-copy"
+    await store.branch_conversation(
+        request_key="x1", destination_conversation_id=copy, source={"kind": "conversation", "conversation_id": c.cid}
+    )
+    kinds = [e.kind for e in await _journal(store, copy)]
+    _equal(kinds, ["runtime/baseline", "runtime/branch-observation"], "the copy's journal")
+    await _Conv(store, copy).turn("t3")
+    data = await store.export_conversation(copy)
+    async with factory() as other:
+        result = await other.import_conversation(data)
+        _equal(result.conversation_id, copy, "the copy imports")
+        _equal(await other.export_conversation(copy), data, "export -> import -> export is byte-identical")
+        _equal(
+            await other.load_snapshot(conversation_id=copy),
+            await store.load_snapshot(conversation_id=copy),
+            "the imported copy",
+        )
+    again = await store.branch_conversation(
+        request_key="x2",
+        destination_conversation_id="ledger-branch-transfer-again",
+        source={"kind": "conversation", "conversation_id": copy},
+    )
+    _equal((again.outcome, again.receipt.source_conversation_id), ("created", copy), "a copy branches again")
+    _equal(
+        [m.parts for m in (await store.load_snapshot(conversation_id="ledger-branch-transfer-again")).messages],
+        [m.parts for m in (await store.load_snapshot(conversation_id=copy)).messages],
+        "the second copy holds the first copy's history",
+    )
+
+
+@_case("ledger_branch_approvals")
+async def case_ledger_branch_approvals(store: AgentRuntimeStore) -> None:
+    """A branch gives approvals new ids like every engine identity — a request and its response still match
+    in the copy — and removes the request's signature."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-approval")
+    run = await c.acquire((await c.admit("t1")).run)
+    await store.commit_run_terminal(
+        conversation_id=c.cid,
+        run_id=run.id,
+        expected_revision=run.revision,
+        owner_id=run.owner_id or "",
+        fencing_token=run.fencing_token,
+        terminal_reason="success",
+        parts=[
+            {"type": "tool-call", "call_id": "call-1", "tool_name": "rm", "input": {"path": "x"}},
+            {
+                "type": "approval-request",
+                "approval_id": "ap-source",
+                "call_id": "call-1",
+                "tool_name": "rm",
+                "input": {"path": "x"},
+                "signature": "signed-by-the-source",
+            },
+        ],
+    )
+    response = {"type": "approval-response", "approval_id": "ap-source", "call_id": "call-1", "approved": True}
+    run = await c.acquire(
+        (
+            await store.accept_input_and_assign_run(
+                conversation_id=c.cid,
+                idempotency_key=c.key("t2"),
+                input={"id": c.inp("t2"), "role": "tool", "parts": [response]},
+                run_id=c.run("t2"),
+                assistant_message_id=c.out("t2"),
+            )
+        ).run
+    )
+    await c.finish(run, text="removed")
+    await store.branch_conversation(
+        request_key="a1",
+        destination_conversation_id="ledger-branch-approval-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    parts = [
+        p for m in (await store.load_snapshot(conversation_id="ledger-branch-approval-copy")).messages for p in m.parts
+    ]
+    requests = [p for p in parts if p.type == "approval-request"]
+    responses = [p for p in parts if p.type == "approval-response"]
+    _equal((len(requests), len(responses)), (1, 1), "the copy holds the request and its response")
+    _expect(requests[0].approval_id != "ap-source", "the approval has a new id")  # type: ignore[union-attr]
+    _equal(requests[0].approval_id, responses[0].approval_id, "the request and its response still match")  # type: ignore[union-attr]
+    _equal(requests[0].signature, None, "the signature is removed")  # type: ignore[union-attr]
 
 
 @_case("ledger_branch_metadata_reference")
 async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> None:
-    """Message metadata is copied as it is: a key in it that names an engine identity (a run id, say, at any
-    depth) refuses the branch before anything is written, naming the message and the path; other metadata
-    is copied unchanged."""
+    """Message metadata and a part's provider metadata are copied as they are: a key in them that names an
+    engine identity (a run id, say, at any depth) refuses the branch before anything is written, naming the
+    message and the path; other metadata is copied unchanged."""
     if await _absent(store):
         return
     c = _Conv(store, "ledger-branch-ref")
@@ -503,6 +612,93 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
     )
     copied = (await store.load_snapshot(conversation_id="ledger-branch-plain-copy")).messages
     _equal(copied[0].metadata, {"ticket": {"id": "T-7", "links": ["x"]}}, "other metadata is copied unchanged")
+    # provider metadata on a part (its envelope) is opaque data under the same guard, and otherwise retained
+    envelope = _Conv(store, "ledger-branch-envelope")
+    for n, data in (("t1", {"item": "rs_1", "signature": "abc"}), ("t2", {"items": [{"runId": "run-elsewhere"}]})):
+        run = await envelope.acquire((await envelope.admit(n)).run)
+        await store.commit_run_terminal(
+            conversation_id=envelope.cid,
+            run_id=run.id,
+            expected_revision=run.revision,
+            owner_id=run.owner_id or "",
+            fencing_token=run.fencing_token,
+            terminal_reason="success",
+            parts=[
+                {"type": "reasoning", "text": "thinking", "envelope": {"provider": "openai", "data": data}},
+                {"type": "text", "text": f"answer {n}"},
+            ],
+        )
+    error = await _raises(
+        AgentBranchRefusedError,
+        "provider metadata naming a run",
+        store.branch_conversation,
+        request_key="r3",
+        destination_conversation_id="ledger-branch-envelope-copy",
+        source={"kind": "conversation", "conversation_id": envelope.cid},
+    )
+    _equal(error.code, "BRANCH_METADATA_REFERENCE", "a runtime reference key in a part's provider metadata")
+    place = "parts[0].envelope.data.items[0]"
+    _expect(place in str(error) and envelope.out("t2") in str(error), "the error names the place")
+    _equal(
+        (await store.read_events(conversation_id="ledger-branch-envelope-copy")).items,
+        (),
+        "a refused branch writes nothing",
+    )
+    await store.branch_conversation(
+        request_key="r4",
+        destination_conversation_id="ledger-branch-envelope-early",
+        source={"kind": "conversation", "conversation_id": envelope.cid, "through_run_id": envelope.run("t1")},
+    )
+    answer = (await store.load_snapshot(conversation_id="ledger-branch-envelope-early")).messages[1]
+    _equal(
+        answer.parts[0].envelope.data,  # type: ignore[union-attr]
+        {"item": "rs_1", "signature": "abc"},
+        "provider metadata is retained",
+    )
+
+
+@_case("ledger_branch_provider_records")
+async def case_ledger_branch_provider_records(store: AgentRuntimeStore) -> None:
+    """A branch checks the selected provider records as an import does: a request naming digests no body
+    before it holds (appended by hand) refuses the branch before anything is written, so no copy exists
+    that an import would refuse; a prefix selected before that record still branches."""
+    if await _absent(store):
+        return
+    c = _Conv(store, "ledger-branch-provider")
+    await c.turn("t1")
+    await store.append_event(
+        conversation_id=c.cid,
+        kind="provider/request",
+        payload={
+            "run_id": c.run("t1"),
+            "attempt": 1,
+            "step_number": 0,
+            "instructions_sha256": "0" * 64,
+            "prefix": {"count": 2, "sha256": "1" * 64},
+            "message_shas": ["2" * 64],
+        },
+    )
+    await c.turn("t2")
+    error = await _raises(
+        AgentBranchRefusedError,
+        "unchecked provider records",
+        store.branch_conversation,
+        request_key="p1",
+        destination_conversation_id="ledger-branch-provider-copy",
+        source={"kind": "conversation", "conversation_id": c.cid},
+    )
+    _equal(error.code, "BRANCH_SOURCE_INVALID", "provider records that do not check")
+    _equal(
+        (await store.read_events(conversation_id="ledger-branch-provider-copy")).items,
+        (),
+        "a refused branch writes nothing",
+    )
+    earlier = await store.branch_conversation(
+        request_key="p2",
+        destination_conversation_id="ledger-branch-provider-early",
+        source={"kind": "conversation", "conversation_id": c.cid, "through_run_id": c.run("t1")},
+    )
+    _equal(earlier.outcome, "created", "a prefix before the bad record")
 
 
 @_case("ledger_durable_steps")

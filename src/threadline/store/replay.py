@@ -136,7 +136,9 @@ def replay_events(
             base: BaselineRecord = payload_record(event.kind, event.payload)
             out.baseline = base
             baseline = Mutation(
-                head=base.head,
+                # the replay numbers only the events it writes (the baseline, then each transition): a
+                # branch's baseline head also counts the copied records that follow it
+                head=evolve(base.head, {"event_seq": 1}),
                 runs=base.runs,
                 messages=base.messages,
                 receipts=base.receipts,

@@ -46,7 +46,7 @@ from ..ledger.events import (
     BaselineRecord,
     payload_record,
 )
-from ..records import STORAGE, ApprovalRequestPart, InputJoinedPart, Message, Part, Run, evolve
+from ..records import STORAGE, ApprovalRequestPart, ApprovalResponsePart, InputJoinedPart, Message, Part, Run, evolve
 from . import reducer
 from .driver import Access
 from .ids import new_id
@@ -203,12 +203,17 @@ def _source_selector(source: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
             )
         return kind, {"kind": kind, "conversation_id": cid, **({"through_run_id": through} if through else {})}
     if kind == "archive":
-        data = source.get("bytes")
-        if set(source) - {"kind", "bytes", "through_run_id"} or not isinstance(data, bytes | bytearray):
-            raise AgentRecordValidationError("source is {'kind': 'archive', 'bytes': bytes}", field="source")
-        through = source.get("through_run_id")
+        data, through = source.get("bytes"), source.get("through_run_id")
+        if (
+            set(source) - {"kind", "bytes", "through_run_id"}
+            or not isinstance(data, bytes | bytearray)
+            or (through is not None and (not isinstance(through, str) or not through))
+        ):
+            raise AgentRecordValidationError(
+                "source is {'kind': 'archive', 'bytes': bytes, 'through_run_id'?: str}", field="source"
+            )
         selector = {"kind": kind, "sha256": hashlib.sha256(bytes(data)).hexdigest()}
-        if through:
+        if through is not None:
             selector["through_run_id"] = through
         return kind, selector
     raise AgentRecordValidationError(f"source kind is 'conversation' or 'archive', got {kind!r}", field="source.kind")
@@ -251,7 +256,7 @@ async def _branch(
     ``through_run_id`` selects that run's ending (its terminal, or its abandon); omitted, the settled tip
     (compaction recorded after the last run included). The selected prefix must hold no queued or acquired
     run (``BRANCH_RUN_ACTIVE``); a later active run does not stop an earlier prefix. No provider or tool
-    runs. The copy gets new engine identities (runs, messages, operations); owners, fencing tokens and
+    runs. The copy gets new engine identities (runs, messages, operations, approvals); owners, fencing tokens and
     approval signatures are removed; its journal starts with one ``runtime/baseline`` holding the copied
     state and the :class:`AgentBranchReceipt`, then the source's provider records (bodies unchanged,
     run ids rekeyed) and, as inert ``runtime/branch-observation`` records, its state, schedule, child,
@@ -343,6 +348,14 @@ async def _branch(
             f"the selected prefix still has active runs {active}; branch through an earlier run, or settle them",
         )
     selected = [e for e in events if e.seq <= boundary]
+    if kind == "conversation":  # an archive's provider records were checked with the rest of it
+        with _collector_paused():
+            problems = check_provider_requests(selected)
+        if problems:  # records appended by hand that an import of the copy would refuse
+            raise AgentBranchRefusedError(
+                "BRANCH_SOURCE_INVALID",
+                f"the source's provider records do not check: {problems[0]}; a copy could not be imported",
+            )
     _refuse_runtime_references(state)
     if any(e.kind == "spill/created" for e in selected) and artifact_authorization is None:
         raise AgentBranchRefusedError(
@@ -396,11 +409,16 @@ writes one into metadata."""
 
 
 def _refuse_runtime_references(state: Replayed) -> None:
-    """``BRANCH_METADATA_REFERENCE`` when the metadata of a copied message (or of an admitted input) holds a
-    :data:`RUNTIME_REFERENCE_KEYS` key at any depth, naming the message and the path."""
+    """``BRANCH_METADATA_REFERENCE`` when the metadata of a copied message (or of an admitted input), or the
+    provider metadata of one of its parts (``parts[i].envelope.data``: reasoning, tool-call, text and provider
+    parts), holds a :data:`RUNTIME_REFERENCE_KEYS` key at any depth, naming the message and the path."""
     owners = [*state.messages.values(), *(r.input for r in state.receipts.values())]
     for message in owners:
         stack: list[tuple[str, Any]] = [("metadata", message.metadata)]
+        for index, part in enumerate(message.parts):
+            envelope = getattr(part, "envelope", None)
+            if envelope is not None:
+                stack.append((f"parts[{index}].envelope.data", envelope.data))
         while stack:
             path, value = stack.pop()
             if isinstance(value, dict):
@@ -463,6 +481,12 @@ def _rekeyed(
     for receipt_record in state.receipts.values():
         message_ids.setdefault(receipt_record.input.id, new_id("msg"))
 
+    approval_ids: dict[str, str] = {}
+
+    def approval(approval_id: str) -> str:
+        """One new id per source approval id: a request and its response still match in the copy."""
+        return approval_ids.setdefault(approval_id, new_id("apr"))
+
     def part(p: Part) -> Part:
         if isinstance(p, InputJoinedPart):
             return evolve(
@@ -472,8 +496,10 @@ def _rekeyed(
                     "message_ids": tuple(message_ids.get(m, m) for m in p.message_ids),
                 },
             )
-        if isinstance(p, ApprovalRequestPart) and p.signature is not None:
-            return evolve(p, {"signature": None})
+        if isinstance(p, ApprovalRequestPart):  # a new approval id, and no signature
+            return evolve(p, {"approval_id": approval(p.approval_id), "signature": None})
+        if isinstance(p, ApprovalResponsePart):
+            return evolve(p, {"approval_id": approval(p.approval_id)})
         return p
 
     def message(m: Message) -> Message:
@@ -539,6 +565,8 @@ def _rekeyed(
         elif event.kind in OBSERVED_KINDS:
             if isinstance(payload, dict) and isinstance(payload.get("run_id"), str):
                 payload = {**payload, "run_id": run_ids.get(payload["run_id"], payload["run_id"])}
+            if isinstance(payload, dict) and payload.get("approval_id") in approval_ids:
+                payload = {**payload, "approval_id": approval_ids[payload["approval_id"]]}
             observation = {
                 "source_conversation_id": receipt.source_conversation_id,
                 "source_seq": event.seq,

@@ -437,7 +437,7 @@ def test_sqlite_without_fts5_is_refused(db: Path, monkeypatch: pytest.MonkeyPatc
     import threadline.store.sqlite as module
 
     monkeypatch.setattr(module, "_fts5_available", lambda conn: False)
-    with pytest.raises(AgentStoreSchemaError, match="threadline requires SQLite built with FTS5"):
+    with pytest.raises(AgentStoreSchemaError, match="requires FTS5 support"):
         create_sqlite_agent_runtime_store(filename=db)
 
 

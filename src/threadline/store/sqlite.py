@@ -1341,8 +1341,8 @@ class SqliteStoreDriver:
         conn.execute("PRAGMA wal_autocheckpoint = 0")  # the worker checkpoints (see _wrote)
         if not _fts5_available(conn):
             raise AgentStoreSchemaError(
-                f"threadline requires SQLite built with FTS5 (SQLite {sqlite3.sqlite_version} at "
-                f"{sqlite3.__file__} has no ENABLE_FTS5); use a Python whose sqlite3 includes FTS5"
+                f"threadline requires FTS5 support: SQLite {sqlite3.sqlite_version} at {sqlite3.__file__} was built "
+                "without ENABLE_FTS5; use a Python whose sqlite3 includes FTS5"
             )
         try:
             conn.execute("BEGIN")

@@ -149,3 +149,24 @@ def test_inspect_events_summarizes_durable_steps(tmp_path: Path) -> None:
     assert table.returncode == 0, table.stderr
     assert b"run run-1 step 'send-mail' intent" in table.stdout
     assert b"run run-1 step 'send-mail' accepted" in table.stdout
+
+
+async def _spilled_turn(db: Path, cid: str) -> str:
+    run_id = await _one_turn(db, cid)
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        await sqlite.store.append_event(
+            conversation_id=cid, kind="spill/created", payload={"reference": "spill-1", "bytes": 3, "sha256": "0" * 64}
+        )
+    return run_id
+
+
+def test_branch_of_history_with_spills_takes_a_fresh_artifact_authorization(tmp_path: Path) -> None:
+    db = tmp_path / "spills.db"
+    asyncio.run(_spilled_turn(db, "c1"))
+    base = ("branch", "--db", str(db), "--request-key", "b1", "--to", "c2", "--from", "c1")
+    refused = cli(*base)
+    assert refused.returncode == 2 and refused.stderr.startswith(b"error: BRANCH_ARTIFACTS"), refused.stderr
+    bad = cli(*base, "--artifact-authorization", "{not json")
+    assert bad.returncode == 2 and b"--artifact-authorization is JSON" in bad.stderr
+    created = cli(*base, "--artifact-authorization", '{"grant": "reader-7"}')
+    assert created.returncode == 0 and created.stdout.startswith(b"created: c2 from conversation c1"), created.stderr

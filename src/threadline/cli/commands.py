@@ -608,6 +608,13 @@ def branch(
     source_conversation: Annotated[str | None, typer.Option("--from", help="The source conversation.")] = None,
     archive: Annotated[Path | None, typer.Option("--archive", help="Branch from an archive file instead.")] = None,
     through_run: Annotated[str | None, typer.Option("--through-run", help="Copy through this run's end.")] = None,
+    artifact_authorization: Annotated[
+        str | None,
+        typer.Option(
+            "--artifact-authorization",
+            help="JSON: the fresh authorization a history with spills needs (a branch grants no source authority).",
+        ),
+    ] = None,
     db: DbOption = None,
     dsn: DsnOption = None,
     schema_name: SchemaOption = None,
@@ -627,4 +634,5 @@ def branch(
             archive=archive,
             through_run=through_run,
             as_json=as_json,
+            artifact_authorization=artifact_authorization,
         )

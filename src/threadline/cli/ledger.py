@@ -188,11 +188,20 @@ def import_command(*, db: Path | None, dsn: str | None, schema: str | None, arch
 
 
 async def _branch(
-    db: Path | None, dsn: str | None, schema: str | None, request_key: str, destination: str, source: dict[str, Any]
+    db: Path | None,
+    dsn: str | None,
+    schema: str | None,
+    request_key: str,
+    destination: str,
+    source: dict[str, Any],
+    artifact_authorization: Any,
 ) -> Any:
     async with open_store(db, dsn, create=False, schema=schema) as opened:
         return await opened.store.branch_conversation(
-            request_key=request_key, destination_conversation_id=destination, source=source
+            request_key=request_key,
+            destination_conversation_id=destination,
+            source=source,
+            artifact_authorization=artifact_authorization,
         )
 
 
@@ -207,6 +216,7 @@ def branch_command(
     archive: Path | None,
     through_run: str | None,
     as_json: bool,
+    artifact_authorization: str | None = None,
 ) -> None:
     if (source_conversation is None) == (archive is None):
         raise CliUsageError("pass exactly one of --from (a conversation) or --archive (a file)")
@@ -217,7 +227,13 @@ def branch_command(
     )
     if through_run:
         source["through_run_id"] = through_run
-    result = asyncio.run(_branch(db, dsn, schema, request_key, destination, source))
+    authorization: Any = None
+    if artifact_authorization is not None:
+        try:
+            authorization = json.loads(artifact_authorization)
+        except ValueError as error:
+            raise CliUsageError(f"--artifact-authorization is JSON: {error}") from error
+    result = asyncio.run(_branch(db, dsn, schema, request_key, destination, source, authorization))
     if as_json:
         print(json.dumps(result.model_dump(mode="json"), indent=2))
         return

@@ -888,6 +888,49 @@ async def test_closed_handle_is_unavailable(db: Path) -> None:
         pass
 
 
+async def test_handle_offers_its_connection_and_one_write_transaction(db: Path) -> None:
+    """``database`` is the store's connection and ``transaction(work)`` one write transaction in the store's
+    own serialization: what the work writes commits together, or nothing of it when it raises."""
+    async with create_sqlite_agent_runtime_store(filename=db) as sqlite:
+        assert isinstance(sqlite.database, sqlite3.Connection)
+        await turn(sqlite.store, "c", "t1")
+
+        def add(conn: sqlite3.Connection) -> int:
+            assert conn is sqlite.database and conn.in_transaction
+            conn.execute("CREATE TABLE IF NOT EXISTS app_rows (id TEXT PRIMARY KEY, note TEXT)")
+            conn.execute("INSERT INTO app_rows VALUES ('r1', 'kept')")
+            return int(
+                conn.execute("SELECT version FROM threadline_conversations WHERE conversation_id = 'c'").fetchone()[0]
+            )
+
+        assert await sqlite.transaction(add) == (await sqlite.store.load_snapshot(conversation_id="c")).version
+
+        def half(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO app_rows VALUES ('r2', 'rolled back')")
+            raise ValueError("the application changed its mind")
+
+        with pytest.raises(ValueError, match="changed its mind"):
+            await sqlite.transaction(half)
+        holder = raw(db)
+        try:
+            assert holder.execute("SELECT id, note FROM app_rows").fetchall() == [("r1", "kept")]
+            holder.execute("BEGIN IMMEDIATE")
+            ran: list[bool] = []
+            with pytest.raises(AgentStoreBusyError):
+                await asyncio.wait_for(sqlite.transaction(lambda conn: ran.append(True)), timeout=30)
+            assert ran == []
+            holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+        await turn(sqlite.store, "c", "t2")  # the store goes on after the application's transactions
+        assert [m.id for m in (await sqlite.conversations.messages("c")).items][-2:] == ["t2:in", "t2:out"]
+    with pytest.raises(AgentStoreUnavailableError):
+        await sqlite.transaction(lambda conn: None)
+    async with create_sqlite_agent_runtime_store(db, read_only=True) as reader:
+        with pytest.raises(AgentStoreUnavailableError):
+            await reader.transaction(lambda conn: None)
+
+
 async def test_close_waits_for_accepted_operations(db: Path) -> None:
     sqlite = create_sqlite_agent_runtime_store(filename=db)
     pending = [

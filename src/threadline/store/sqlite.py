@@ -1645,16 +1645,78 @@ def _is_notadb(error: sqlite3.Error) -> bool:
 # ----------------------------------------------------------------------------------------------- handle
 
 
+def _application_transaction(driver: SqliteStoreDriver, work: Callable[[sqlite3.Connection], T]) -> T:
+    """``work(connection)`` in one ``BEGIN IMMEDIATE`` transaction on the store's thread, between the
+    store's own transactions (the caller holds the connection lock: see ``SqliteStoreDriver._main``)."""
+    rows = driver._rows
+    conn = rows.conn
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as error:
+        driver._rollback(conn)
+        mapped = _map_error(error, driver.filename)
+        if mapped is None:
+            raise
+        raise mapped from error
+    try:
+        result = work(conn)
+        if not conn.in_transaction:
+            raise AgentRecordValidationError(
+                "the transaction's work ended the transaction itself (COMMIT or ROLLBACK); the store commits it",
+                field="work",
+            )
+        # the work may have changed threadline rows: what this connection remembers is no longer trusted,
+        # and settled messages it touched are indexed for search before the COMMIT, as the store does
+        rows.forget()
+        rows.fts_pending = True
+        rows.flush_fts()
+        conn.execute("COMMIT")
+    except BaseException as error:
+        rows.forget()
+        driver._rollback(conn)
+        if isinstance(error, sqlite3.Error) and not isinstance(
+            error, sqlite3.IntegrityError | sqlite3.ProgrammingError
+        ):
+            mapped = _map_error(error, driver.filename)
+            if isinstance(mapped, AgentStoreBusyError):
+                raise mapped from error
+        raise
+    driver._wrote()
+    return result
+
+
 class SqliteAgentRuntimeStoreHandle:
     """An open SQLite store: ``store`` (the :class:`AgentRuntimeStore`), ``conversations`` (its paged
-    reader), full-text :meth:`search_messages`, and :meth:`aclose`. Also an async context manager that
-    closes it on exit. ``create_agent_runtime(store=handle)`` takes the handle itself."""
+    reader), ``database`` (the store's own connection), :meth:`transaction` (one write transaction of the
+    application's, in the store's own serialization), full-text :meth:`search_messages`, and :meth:`aclose`.
+    Also an async context manager that closes it on exit. ``create_agent_runtime(store=handle)`` takes the
+    handle itself."""
 
     def __init__(self, driver: SqliteStoreDriver, store: AgentRuntimeStore) -> None:
         self.driver = driver
         self.store = store
         self.conversations: AgentConversationReader = store.conversations
         self.filename = driver.filename
+
+    @property
+    def database(self) -> sqlite3.Connection:
+        """The store's one connection (shared: its thread uses it). Use it only inside :meth:`transaction`,
+        which hands it to the work; anywhere else it may be in the middle of a store transaction."""
+        return self.driver._rows.conn
+
+    async def transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work(connection)`` — a synchronous function, on the store's thread — in one write
+        transaction (``BEGIN IMMEDIATE``) in the store's own serialization: no store operation of this handle
+        runs inside it, and what ``work`` writes commits together or not at all. Returns what ``work``
+        returns. If ``work`` raises, everything it wrote is rolled back and its exception propagates (do not
+        ``COMMIT`` or ``ROLLBACK`` inside it). Another connection's write lock is
+        :class:`~threadline.errors.AgentStoreBusyError` at once, having written nothing (never waited
+        for); a closed or read-only handle is :class:`~threadline.errors.AgentStoreUnavailableError`."""
+        if not callable(work):
+            raise AgentRecordValidationError(f"work is a function of the connection, got {work!r}", field="work")
+        if self.driver.read_only:
+            raise AgentStoreUnavailableError(f"{self.filename} was opened read-only: it takes no write transaction")
+        return await self.driver._call(_application_transaction, self.driver, work)
 
     async def search_messages(self, conversation_id: str, query: str, limit: int = 20) -> list[Message]:
         """Settled messages of one conversation whose text matches the FTS5 ``query``, best match first.

@@ -95,3 +95,16 @@ def test_a_tail_message_is_digested_once_per_object() -> None:
 def test_a_float_json_cannot_spell_is_written_null(value: float) -> None:
     assert json.loads(encode_event(_event({"name": "n", "value": value})))["payload"]["value"] is None
     assert canonical({"v": value}) == b'{"v":null}'
+
+
+async def test_an_appended_payload_with_a_float_json_cannot_spell_is_refused_with_nothing_written() -> None:
+    from threadline import create_memory_agent_runtime_store
+    from threadline.errors import AgentRecordValidationError
+
+    store = create_memory_agent_runtime_store()
+    with pytest.raises(AgentRecordValidationError) as info:
+        await store.append_event(conversation_id="c1", kind="state/set", payload={"name": "n", "value": float("nan")})
+    assert info.value.field == "payload"
+    assert (await store.read_events(conversation_id="c1")).items == ()
+    kept = await store.append_event(conversation_id="c1", kind="state/set", payload={"name": "n", "value": 1.5})
+    assert kept.payload == {"name": "n", "value": 1.5}

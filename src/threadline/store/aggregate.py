@@ -10,6 +10,7 @@ caller cannot tell which — read back (``load_run``) or retry with the same ide
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
@@ -108,6 +109,13 @@ def _draft(value: AgentStoreEventDraft | Mapping[str, Any], at: str) -> AgentSto
             field=f"{at}kind",
         )
     payload_record(draft.kind, draft.payload, where=f"{at}payload")
+    try:  # JSON has no spelling for NaN or infinity: refused here rather than stored as something else
+        json.dumps(draft.payload, allow_nan=False)
+    except ValueError as error:
+        raise AgentRecordValidationError(
+            f"{at}payload holds a float JSON cannot spell (NaN or infinity): {error}; send a number or a string",
+            field=f"{at}payload",
+        ) from error
     return draft
 
 

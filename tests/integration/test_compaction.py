@@ -2,9 +2,10 @@
 
 Pins: the summary replaces the compactable prefix at the snapshot's exact version; a concurrent input
 makes the write conflict and the attempt is redone from a fresh snapshot — re-selected and
-re-summarised, the stale summary never lands — up to ``max_attempts`` (then ``conflict_exhausted`` with
-nothing written); a leading summary is merged (``previous_summary`` / ``read_previous_summary``) and
-replaced, never stacked; barriers (failed, dangling tool call) give ``barrier`` and the
+re-summarised, the stale summary never lands — up to ``max_attempts`` (then ``conflict`` with nothing
+written; by default one attempt, so the first conflict is the outcome); a leading summary is merged
+(``previous_summary`` / ``read_previous_summary``) and replaced, never stacked; barriers (failed,
+dangling tool call) give ``barrier`` and the
 ``assistant-marked`` evidence policy lets a failed turn be summarised; a superseded turn is no barrier, is
 never summarised and its record stays (``test_a_superseded_turn_inside_the_range_stays_and_is_skipped``
 FAILS until the reducer accepts it, see there); the projection afterwards carries
@@ -173,6 +174,24 @@ async def test_conflict_with_a_concurrent_input_resummarises_and_never_applies_t
     assert await snapshot_ids(store) == [outcome.summary_id, "t3:in", "t3:out", "late:in"]
 
 
+async def test_a_concurrent_input_is_a_conflict_by_default_and_the_stale_summary_is_not_applied(
+    store: AgentRuntimeStore,
+) -> None:
+    for n in ("t1", "t2", "t3"):
+        await turn(store, n)
+    before = await snapshot_ids(store)
+
+    async def concurrent_input(call: int) -> None:
+        await admit(store, "late")
+
+    summarize = Summarizer(during=concurrent_input)
+    outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
+    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("conflict", 1, 1)
+    assert outcome.summary_id is None and outcome.replaced_message_ids == ()
+    assert await snapshot_ids(store) == [*before, "late:in"]
+    assert not [m for m in await everything(store) if m.role == "summary"]
+
+
 async def test_conflicts_exhaust_the_attempts_and_write_nothing(store: AgentRuntimeStore) -> None:
     for n in ("t1", "t2", "t3"):
         await turn(store, n)
@@ -183,7 +202,7 @@ async def test_conflicts_exhaust_the_attempts_and_write_nothing(store: AgentRunt
 
     summarize = Summarizer(during=always)
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, max_attempts=3)
-    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("conflict_exhausted", 3, 3)
+    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("conflict", 3, 3)
     assert outcome.summary_id is None and outcome.replaced_message_ids == ()
     assert await snapshot_ids(store) == [*before, "late1:in", "late2:in", "late3:in"]
     assert not [m for m in await everything(store) if m.role == "summary"]

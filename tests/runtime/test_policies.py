@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from pydantic_ai.messages import ModelResponse, TextPart
 from pydantic_ai.models.function import DeltaToolCall
 
@@ -70,6 +71,32 @@ async def test_interrupt_keeps_the_partial_and_marks_it(store: Any) -> None:
     parts = [p.content for m in script.calls[1] if isinstance(m, ModelResponse) for p in m.parts]
     assert parts == ["We are the team, where would you like", INTERRUPT_MARKER]
     await runtime.close()
+
+
+@pytest.mark.parametrize(
+    ("form", "responses", "system_line"),
+    [
+        ("system-note", [], "[interrupted] partial response: We are the team, where would you like"),
+        ("omit", [], None),
+    ],
+)
+async def test_the_interrupted_form_decides_how_the_partial_reaches_the_model(
+    store: Any, form: str, responses: list[str], system_line: str | None
+) -> None:
+    script = gated_first_call()
+    runtime = make_runtime(store, script, runs={"input_policy": "interrupt"}, history={"interrupted_assistant": form})
+    a = submit(runtime, "a", "who are you?")
+    await script.wait_entered(0)
+    b = submit(runtime, "b", "never mind")
+    ra, rb = await a.result, await b.result
+    await runtime.close()
+    assert (ra.terminal_reason, ra.assistant.status, rb.terminal_reason) == ("interrupted", "interrupted", "success")
+    assert response_texts(script.calls[1]) == responses  # never an ordinary assistant turn
+    instructions = script.infos[1].instructions or ""
+    if system_line is None:
+        assert "We are the team" not in instructions
+    else:
+        assert system_line in instructions
 
 
 async def test_supersede_discards_the_partial_from_the_prompt_but_keeps_the_record(store: Any) -> None:

@@ -106,3 +106,29 @@ async def test_a_run_that_never_reached_the_provider_has_every_field_unavailable
     assert result.terminal_reason == "interrupted"
     assert isinstance(result.usage, AgentUsage) and result.usage.input_tokens.provenance == "unavailable"
     assert result.usage.cost.provenance == "unavailable"
+
+
+async def test_a_one_step_run_total_on_its_terminal_events_is_computed_while_its_step_is_provider_reported(
+    store: Any,
+) -> None:
+    """A run total is a sum, even over one step: only the step-finished figures carry the provider's word."""
+    delivered: list[Any] = []
+    operator: list[Any] = []
+
+    async def answer(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        yield "the answer"
+
+    runtime = make_runtime(store, Script(answer), publish=delivered.append, operator_publish=operator.append)
+    await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    (step,) = [e.usage for e in operator if e.type == "step-finished"]
+    assert step.input_tokens.provenance == step.output_tokens.provenance == "provider-reported"
+    (terminal,) = [e for e in delivered if e.type == "terminal"]
+    (run_terminal,) = [e for e in operator if e.type == "run-terminal"]
+    for usage in (terminal.usage, run_terminal.usage):
+        assert usage.steps == 1
+        assert (usage.input_tokens.provenance, usage.output_tokens.provenance) == ("computed", "computed")
+        assert (usage.input_tokens.value, usage.output_tokens.value) == (
+            step.input_tokens.value,
+            step.output_tokens.value,
+        )

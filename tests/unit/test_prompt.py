@@ -57,6 +57,7 @@ def test_fixed_parts_over_the_window_are_oversized_with_a_signed_deficit_even_wi
     budget = decide_prompt_budget(context_window=100, history_tokens=0, **{component: 101})
     assert budget == AgentPromptBudget("oversized", -1, 0, 101, 0)
     assert budget.available_history_tokens is not None and budget.available_history_tokens < 0
+    assert budget.context_decision == "oversized"  # the decision under its contextDecision name
 
 
 def test_reservation_deficit_sums_every_fixed_part() -> None:

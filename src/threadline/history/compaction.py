@@ -222,12 +222,14 @@ class AgentCompactionOutcome:
     - ``compacted``: ``summary`` (id ``summary_id``) replaced ``replaced_message_ids`` at ``version``;
     - ``not_needed``: nothing is compactable (too few turns beyond ``keep_recent_turns``);
     - ``barrier``: nothing is compactable because an incomplete turn (``barrier``) comes first;
-    - ``conflict_exhausted``: every one of ``attempts`` lost to a concurrent write; nothing was written.
+    - ``conflict``: every one of ``attempts`` lost to a concurrent write (such as a new input); nothing was
+      written, the stale summary is not applied. With the default ``max_attempts=1`` the first conflict
+      is the outcome; a larger ``max_attempts`` recovers from conflicts, a bounded number of times.
 
     ``summarize_calls`` counts the summaries computed (one per attempt that reached the store).
     """
 
-    outcome: Literal["compacted", "not_needed", "barrier", "conflict_exhausted"]
+    outcome: Literal["compacted", "not_needed", "barrier", "conflict"]
     attempts: int
     summarize_calls: int
     version: int
@@ -253,7 +255,7 @@ async def structured_compaction(
     previous_summary: str | None = None,
     read_previous_summary: ReadPreviousSummary | None = None,
     evidence_policy: AgentHistoryEvidencePolicy | None = None,
-    max_attempts: int = 3,
+    max_attempts: int = 1,
 ) -> AgentCompactionOutcome:
     """Summarise the compactable prefix of a stored conversation and replace it with one summary.
 
@@ -261,9 +263,10 @@ async def structured_compaction(
     ``summarize(eligible_messages, previous_summary)`` outside any store transaction (it may be a slow
     model call), then ``store.replace_compacted_range`` at the snapshot's exact version with the leading
     summary (if any) and the compactable messages as the replaced range (superseded answers among them
-    are neither summarised nor replaced). A ``conflict`` (anything was
-    written to the conversation meanwhile, such as a new input) starts a new attempt that reloads,
-    reselects and re-summarises: a stale summary is never applied. At most ``max_attempts`` attempts.
+    are neither summarised nor replaced). A conflict (anything was written to the conversation
+    meanwhile, such as a new input) is the outcome ``conflict`` and writes nothing: the stale summary is
+    never applied. Set ``max_attempts`` above 1 (the default) for bounded conflict recovery: each further
+    attempt reloads, reselects and re-summarises; a stale summary is never retried.
 
     The previous summary: ``previous_summary`` when given (a direct call that holds it; used only while
     the leading summary is the one the first attempt saw), else ``read_previous_summary(leading)`` (for
@@ -327,7 +330,7 @@ async def structured_compaction(
                 replaced_message_ids=tuple(result.replaced_message_ids),
                 barrier=selection.barrier,
             )
-    return AgentCompactionOutcome("conflict_exhausted", max_attempts, calls, version)
+    return AgentCompactionOutcome("conflict", max_attempts, calls, version)
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,7 @@ class AgentCompactionHook:
     keep_recent_turns: int
     read_previous_summary: ReadPreviousSummary | None = None
     evidence_policy: AgentHistoryEvidencePolicy | None = None
-    max_attempts: int = 3
+    max_attempts: int = 1
 
     def __post_init__(self) -> None:
         if not callable(self.should_compact) or not callable(self.summarize):

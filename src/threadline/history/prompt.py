@@ -120,6 +120,11 @@ class AgentPromptBudget:
     removable_history_tokens: int | None = None
     unavailable: tuple[str, ...] = ()
 
+    @property
+    def context_decision(self) -> ContextDecision:
+        """The decision under its stitchkit name (``contextDecision``): the same value as ``decision``."""
+        return self.decision
+
 
 @dataclass(frozen=True, slots=True)
 class AgentPrompt:

@@ -218,6 +218,12 @@ class HistoryConfig:
     compaction: Callable[..., Any] | None = None
     """Runtime-managed compaction: called before every step with an ``AgentCompactionRequest`` (or an
     ``AgentCompactionHook`` mapping)."""
+    project: Callable[..., Any] | None = None
+    """Your own projection, in place of threadline's: called (sync or async) before every provider request
+    with the messages that request may see, in order (the active settled history, then this run's inputs
+    and inputs that joined it, then this run's answer so far when it has parts), and returning the
+    pydantic-ai ``ModelMessage`` list to send. The other history options do not apply then (the
+    interrupted-turn question still does: you decide how a cut-off answer reads)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -238,6 +244,7 @@ class HistoryConfig:
             except Exception as error:
                 raise AgentConfigError(f"history.compaction: {error}", field="history.compaction") from error
         _callable("history.compaction", self.compaction, "taking an AgentCompactionRequest, or a hook mapping")
+        _callable("history.project", self.project, "taking the messages a request may see, returning ModelMessages")
 
 
 def section(cls: type[C], value: C | Mapping[str, Any] | None, name: str) -> C:

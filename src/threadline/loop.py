@@ -39,6 +39,7 @@ from pydantic_ai.exceptions import (
     ModelUnavailableError,
 )
 from pydantic_ai.messages import (
+    ModelRequest,
     ModelResponse,
     PartDeltaEvent,
     PartEndEvent,
@@ -408,6 +409,8 @@ class LoopSettings:
     tool_approval: Callable[[ToolCallPart], Any] | Collection[str] | None = None
     tool_approval_secret: str | bytes | None = None
     compaction: Callable[[AgentCompactionRequest], Any] | None = None
+    project: Callable[[list[Message]], Any] | None = None
+    """``history.project``: the application's own projection (see :class:`~threadline.config.HistoryConfig`)."""
     step_durability: Any = None
     """A ``threadline.durability.AgentStepDurability`` behind ``ctx.step`` (owned by the application)."""
 
@@ -866,6 +869,8 @@ class _Execution:
         run = self.run
         own = run.assistant_message_id
         inputs = [m for m in view.tail(run.id) if m.__dict__["id"] != own]  # (no pydantic hook per message)
+        if self.env.settings.project is not None:
+            return await self._own_projection(view, inputs), []
         options = self.env.projection_options
         if model.provider_name != options.provider_name:
             options = self.env.projection_options_for(model.provider_name)
@@ -899,6 +904,25 @@ class _Execution:
         projector = cached[3].fork()
         projector.extend([self._draft_with_parts()])
         return projector.built, projector.system
+
+    async def _own_projection(self, view: Any, inputs: list[Message]) -> list[Any]:
+        """``history.project``: the application's projection of what this request may see. No settled
+        prefix is kept for it, so every message it returns is digested for the ledger at each request."""
+        if self.claims:
+            inputs = inputs + [m for m in view.messages_of(set(self.claims)) if m.role == "user"]
+        visible = [*view.settled, *inputs, *([self._draft_with_parts()] if self.parts else [])]
+        self._prefix, self._prefix_call_ids = (
+            None,
+            frozenset(p.call_id for m in view.settled for p in m.parts if p.type == "tool-call"),
+        )
+        built = await _maybe_await(self.env.settings.project(visible))
+        if not isinstance(built, list) or not all(isinstance(m, ModelRequest | ModelResponse) for m in built):
+            raise AgentConfigError(
+                "history.project returned something other than a list of pydantic-ai ModelRequest/ModelResponse "
+                f"(got {type(built).__name__})",
+                field="history.project",
+            )
+        return built
 
     def _draft_with_parts(self) -> Message:
         """This run's assistant as a request sees it: its draft holding the parts so far."""

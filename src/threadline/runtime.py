@@ -485,13 +485,14 @@ class AgentRuntime:
         history_config = section(HistoryConfig, history, "history")
         try:
             self.projection_options = AgentHistoryProjectionOptions.model_validate(
-                {k: v for k, v in vars(history_config).items() if v is not None and k != "compaction"}
+                {k: v for k, v in vars(history_config).items() if v is not None and k not in ("compaction", "project")}
             )
         except ValidationError as error:
             first = error.errors()[0]
             where = "history." + ".".join(str(p) for p in first["loc"])
             raise AgentConfigError(f"{where}: {first['msg']}", field=where) from error
         self.loop_settings.compaction = history_config.compaction
+        self.loop_settings.project = history_config.project
         self._publish_fn = publish
         self._operator_publish_fn = operator_publish
         # internal causes (exception text) reach a plain callable only on request; a sink that declares

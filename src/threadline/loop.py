@@ -749,6 +749,7 @@ class _Execution:
         self._tools_invoked = False
         self._step_usage: AgentUsage | None = None
         self._finished_calls: set[str] = set()
+        self._attempt_over = False  # set once execute() returned: the attempt was committed or abandoned
         self._lifecycle: AgentToolLifecycle | None = None
         """The application's tool hooks composed with the fence; None without hooks (the fence alone)."""
         self._prefix_call_ids: Any = frozenset()
@@ -1102,7 +1103,7 @@ class _Execution:
         loop = asyncio.get_running_loop()
 
         def report(message: str | None = None, progress: float | None = None, total: float | None = None) -> None:
-            if call.call_id in self._finished_calls or self.control.aborted:
+            if call.call_id in self._finished_calls or self.control.aborted or self._attempt_over:
                 return
             now = loop.time()
             if last and now - last[0] < PROGRESS_MIN_INTERVAL:
@@ -1639,6 +1640,7 @@ class _Execution:
         try:
             return await self._execute()
         finally:
+            self._attempt_over = True  # committed or abandoned: a call still running reports nothing more
             if renewal is not None:
                 renewal.cancel()
                 with contextlib.suppress(BaseException):

@@ -98,6 +98,7 @@ from .records import (
     TEMPLATE_TIME,
     AgentRunFailure,
     ApprovalRequestPart,
+    ApprovalResponsePart,
     ControlPart,
     FailureOrigin,
     InputJoinedPart,
@@ -748,6 +749,7 @@ class _Execution:
         self._tools_invoked = False
         self._step_usage: AgentUsage | None = None
         self._finished_calls: set[str] = set()
+        self._attempt_over = False  # set once execute() returned: the attempt was committed or abandoned
         self._lifecycle: AgentToolLifecycle | None = None
         """The application's tool hooks composed with the fence; None without hooks (the fence alone)."""
         self._prefix_call_ids: Any = frozenset()
@@ -1101,7 +1103,7 @@ class _Execution:
         loop = asyncio.get_running_loop()
 
         def report(message: str | None = None, progress: float | None = None, total: float | None = None) -> None:
-            if call.call_id in self._finished_calls or self.control.aborted:
+            if call.call_id in self._finished_calls or self.control.aborted or self._attempt_over:
                 return
             now = loop.time()
             if last and now - last[0] < PROGRESS_MIN_INTERVAL:
@@ -1194,19 +1196,26 @@ class _Execution:
         )
 
     async def _answer_approvals(self, by_name: dict[str, AgentTool]) -> None:
-        """Before the first step: carry out the approval responses this run was queued for. Each is
-        checked against its signed request (call, tool, input, signature); anything that does not match
-        fails the run (``runtime_failure``, the diagnostic stays private) and nothing runs."""
+        """Before the first step: carry out the approval responses this run was queued for. Every one is
+        checked first against its signed request (call, tool, input, signature) and against what is already
+        answered (an approval an earlier run answered, a call whose result history holds, the same approval
+        twice in this run); anything that does not match fails the run (``runtime_failure``, the diagnostic
+        stays private) and nothing runs — not even the responses that did match."""
         mine = [m for m in self.env.view.tail(self.run.id) if m.run_id == self.run.id and m.role == "tool"]
         responses = [p for m in mine for p in m.parts if p.type == "approval-response"]
         if not responses:
             return
-        requests, _ = approval_state([*self.env.view.settled, *self.env.view.tail(self.run.id)])
+        history = [*self.env.view.settled, *self.env.view.tail(self.run.id)]
+        requests, _ = approval_state(history)
+        earlier = [m for m in history if m.run_id != self.run.id]
+        earlier_approvals = {
+            p.approval_id for m in earlier if m.role == "tool" for p in m.parts if p.type == "approval-response"
+        }
+        earlier_calls = {p.call_id for m in earlier for p in m.parts if p.type == "tool-result"}
         secret = self.env.settings.tool_approval_secret
-        answered = {p.call_id for p in self.parts if p.type == "tool-result"}  # kept by a resumed draft
+        seen: set[str] = set()
+        accepted: list[tuple[ApprovalResponsePart, ApprovalRequestPart]] = []
         for response in responses:
-            if response.call_id in answered:
-                continue
             found = requests.get(response.approval_id)
             request = found[0] if found else None
             rejected = None
@@ -1214,6 +1223,12 @@ class _Execution:
                 rejected = "has no valid signed request"
             elif response.call_id != request.call_id:
                 rejected = "answers another call"
+            elif (
+                response.approval_id in seen
+                or response.approval_id in earlier_approvals
+                or request.call_id in earlier_calls
+            ):
+                rejected = "was already answered"
             if rejected is not None:  # recorded in the ledger with the run's terminal
                 identity = {"run_id": self.run.id, "approval_id": response.approval_id, "call_id": response.call_id}
                 self.owned.attach([_ledger("approval/response-rejected", {**identity, "reason": rejected})])
@@ -1223,6 +1238,12 @@ class _Execution:
                     "tool",
                 )
             assert request is not None
+            seen.add(response.approval_id)
+            accepted.append((response, request))
+        answered = {p.call_id for p in self.parts if p.type == "tool-result"}  # kept by a resumed draft
+        for response, request in accepted:
+            if request.call_id in answered:
+                continue
             call = ToolCallPart(call_id=request.call_id, tool_name=request.tool_name, input=request.input)
             self.parts.append(call)
             if response.approved:
@@ -1619,6 +1640,7 @@ class _Execution:
         try:
             return await self._execute()
         finally:
+            self._attempt_over = True  # committed or abandoned: a call still running reports nothing more
             if renewal is not None:
                 renewal.cancel()
                 with contextlib.suppress(BaseException):

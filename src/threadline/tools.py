@@ -128,8 +128,9 @@ class AgentToolContext:
     fencing_token: int = 0
     """The run's fencing token for this execution (monotonic per run)."""
     idempotency_key: str = ""
-    """Stable for this call: ``tl:<conversation>:<run>:<call id>`` hashed, the same each time this exact call
-    record is executed (an approved call, a takeover of the same step); a new model turn is a new call."""
+    """Stable for this call: ``tl-`` and a SHA-256 digest of conversation, run and call id, the same each
+    time this exact call record is executed (an approved call, a takeover of the same step); a new model
+    turn is a new call."""
     _durability: AgentStepDurability | None = field(default=None, repr=False)
     """The runtime's step ledger (``threadline.durability``); ``None`` runs steps without recording them."""
     _joined_run_ids: tuple[str, ...] = field(default=(), repr=False)

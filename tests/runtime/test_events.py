@@ -341,3 +341,48 @@ async def test_each_publisher_gets_its_events_without_the_other(store: Any) -> N
     assert (
         operator.types(operator_alone) == both_operator.types(both) == ["run-started", "step-finished", "run-terminal"]
     )
+
+
+async def test_a_running_call_reports_no_progress_once_its_attempt_was_abandoned(store: Any) -> None:
+    """Two calls of one step run side by side; the fence is lost when the first one ends, so the attempt is
+    abandoned while the second still runs: what the second reports afterwards is never published."""
+    from threadline.errors import AgentToolFenceLostError
+    from threadline.tools import AgentToolLifecycle
+
+    release = asyncio.Event()
+    reported = asyncio.Event()
+
+    @define_agent_tool
+    async def fast() -> str:
+        return "fast"
+
+    @define_agent_tool
+    async def slow(ctx: AgentToolContext) -> str:
+        await release.wait()
+        ctx.report_progress("after the attempt was abandoned")
+        reported.set()
+        return "slow"
+
+    def after(call: Any, output: Any) -> None:
+        if call.tool_name == "fast":
+            raise AgentToolFenceLostError("taken over")
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        yield {0: DeltaToolCall(name="slow", json_args="{}", tool_call_id="s1")}
+        yield {1: DeltaToolCall(name="fast", json_args="{}", tool_call_id="f1")}
+
+    delivery = Recorder()
+    runtime = make_runtime(
+        store,
+        Script(handler),
+        tools=[fast, slow],
+        publish=delivery,
+        loop={"tool_lifecycle": AgentToolLifecycle(after=after)},
+    )
+    ticket = submit(runtime, "k", "go")
+    with pytest.raises(Exception):  # noqa: B017  # the stale executor's ticket fails (ownership)
+        await asyncio.wait_for(ticket.result, 5)
+    release.set()
+    await asyncio.wait_for(reported.wait(), 5)
+    assert delivery.of("tool-progress") == []
+    await runtime.close()

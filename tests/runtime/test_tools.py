@@ -293,6 +293,63 @@ async def test_a_forged_or_mismatched_approval_fails_the_run_and_runs_nothing(st
     await mismatch.close()
 
 
+async def _rejections(store: Any) -> list[dict[str, Any]]:
+    events = (await store.read_events(conversation_id="c1", limit=10_000)).items
+    return [e.payload for e in events if e.kind == "approval/response-rejected"]
+
+
+async def test_a_response_to_an_approval_already_answered_fails_the_run_and_runs_nothing_again(store: Any) -> None:
+    effects: list[str] = []
+    runtime = approval_runtime(store, call_then_answer("charge", '{"amount": 3}'), effects)
+    await submit(runtime, "k", "charge me 3").result
+    approval = (await runtime.pending_approvals("c1"))[0]
+    ticket = await runtime.respond_to_approval(
+        conversation_id="c1", approval_id=approval.approval_id, approved=True, context={}
+    )
+    assert (await ticket.result).terminal_reason == "success" and effects == ["charged 3"]
+
+    # a second response to the same approval, written straight into the store
+    response = {"type": "approval-response", "approval_id": approval.approval_id, "call_id": approval.call_id}
+    await store.accept_input_and_assign_run(
+        conversation_id="c1",
+        idempotency_key="again",
+        input={"id": "again", "role": "tool", "parts": [{**response, "approved": True}]},
+    )
+    outcomes = await runtime.recover(resolve_context=lambda run: {})
+    result = await outcomes[-1].result
+    assert result.terminal_reason == "runtime_failure" and effects == ["charged 3"]
+    assert (await _rejections(store))[-1] == {
+        "run_id": result.run.id,
+        "approval_id": approval.approval_id,
+        "call_id": approval.call_id,
+        "reason": "was already answered",
+    }
+    await runtime.close()
+
+
+async def test_two_responses_to_one_approval_in_one_run_run_nothing(store: Any) -> None:
+    effects: list[str] = []
+    runtime = approval_runtime(store, call_then_answer("charge", '{"amount": 4}'), effects)
+    await submit(runtime, "k", "charge me 4").result
+    approval = (await runtime.pending_approvals("c1"))[0]
+    response = {"type": "approval-response", "approval_id": approval.approval_id, "call_id": approval.call_id}
+    await store.accept_input_and_assign_run(
+        conversation_id="c1",
+        idempotency_key="twice",
+        input={
+            "id": "twice",
+            "role": "tool",
+            "parts": [{**response, "approved": True}, {**response, "approved": True}],
+        },
+    )
+    outcomes = await runtime.recover(resolve_context=lambda run: {})
+    result = await outcomes[-1].result
+    # every response is checked before any runs: the valid first one does not run either
+    assert result.terminal_reason == "runtime_failure" and effects == []
+    assert (await _rejections(store))[-1]["reason"] == "was already answered"
+    await runtime.close()
+
+
 async def test_a_tool_with_its_own_context_schema(store: Any) -> None:
     from pydantic import BaseModel
 

@@ -26,7 +26,7 @@ import inspect
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -522,6 +522,19 @@ def canonical_parts(response: ModelResponse, provider: str) -> list[Part]:
         else:
             parts.append(ProviderPart(envelope=_envelope(provider, {"part": p})))
     return parts
+
+
+async def _all_or_none(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """The calls of one step, side by side, in order; when one raises (the attempt lost its fence, say) the
+    others are cancelled and waited for before it propagates: an abandoned attempt runs no effect on."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -1484,7 +1497,7 @@ class _Execution:
                 if len(direct) == 1:
                     results = [await self._abortable(self._call_tool(by_name, direct[0]))]
                 else:
-                    results = await self._abortable(asyncio.gather(*(self._call_tool(by_name, c) for c in direct)))
+                    results = await self._abortable(_all_or_none(self._call_tool(by_name, c) for c in direct))
             finally:
                 self.owned.vouched = False
             self.parts.extend(results)

@@ -343,14 +343,16 @@ async def test_each_publisher_gets_its_events_without_the_other(store: Any) -> N
     )
 
 
-async def test_a_running_call_reports_no_progress_once_its_attempt_was_abandoned(store: Any) -> None:
+async def test_a_running_call_is_cancelled_and_reports_nothing_once_its_attempt_was_abandoned(store: Any) -> None:
     """Two calls of one step run side by side; the fence is lost when the first one ends, so the attempt is
-    abandoned while the second still runs: what the second reports afterwards is never published."""
+    abandoned while the second still runs: the second is cancelled (its effect never happens), and nothing
+    it would report afterwards is published."""
     from threadline.errors import AgentToolFenceLostError
     from threadline.tools import AgentToolLifecycle
 
     release = asyncio.Event()
-    reported = asyncio.Event()
+    cancelled = asyncio.Event()
+    effects: list[str] = []
 
     @define_agent_tool
     async def fast() -> str:
@@ -358,9 +360,13 @@ async def test_a_running_call_reports_no_progress_once_its_attempt_was_abandoned
 
     @define_agent_tool
     async def slow(ctx: AgentToolContext) -> str:
-        await release.wait()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
         ctx.report_progress("after the attempt was abandoned")
-        reported.set()
+        effects.append("slow")
         return "slow"
 
     def after(call: Any, output: Any) -> None:
@@ -382,7 +388,8 @@ async def test_a_running_call_reports_no_progress_once_its_attempt_was_abandoned
     ticket = submit(runtime, "k", "go")
     with pytest.raises(Exception):  # noqa: B017  # the stale executor's ticket fails (ownership)
         await asyncio.wait_for(ticket.result, 5)
-    release.set()
-    await asyncio.wait_for(reported.wait(), 5)
+    await asyncio.wait_for(cancelled.wait(), 5)  # cancelled by the time the attempt gave up
+    assert effects == []
     assert delivery.of("tool-progress") == []
+    assert [e.status for e in delivery.of("tool-status") if e.call_id == "s1" and e.status == "completed"] == []
     await runtime.close()

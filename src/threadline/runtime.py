@@ -1093,6 +1093,22 @@ class AgentRuntime:
             )
             return False
         self._publish_run_state(abandoned.run, abandoned.version)
+        if self.operator_publishing:
+            # the operator learns why: the acquisition's cause rides on its run-terminal (nothing was spent)
+            self.operator_publish(
+                AgentRunTerminalEvent(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    runtime_epoch=self.runtime_epoch,
+                    owner_id=self.owner_id,
+                    fencing_token=abandoned.run.fencing_token,
+                    outcome="committed",
+                    terminal_reason=abandoned.run.terminal_reason,
+                    steps=0,
+                    usage=AgentUsage(),
+                    cause=describe_internal_cause(cause) if self._hand_causes else None,
+                )
+            )
         self.waiters.resolve(run.id, self._result(abandoned.run, abandoned.assistant))
         return True
 

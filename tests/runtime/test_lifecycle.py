@@ -4,6 +4,7 @@ resume and store failures around execution."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -350,6 +351,37 @@ async def test_an_acquisition_the_store_keeps_failing_abandons_the_run(store: An
     assert (await first.result).terminal_reason == "success"
     result = await second.result
     assert (result.terminal_reason, result.run.state, result.assistant.status) == ("abandoned", "abandoned", "failed")
+    await runtime.close()
+
+
+async def test_an_abandoned_acquisition_reports_its_cause_on_the_operator_run_terminal(store: Any) -> None:
+    release = asyncio.Event()
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            await release.wait()
+        yield f"answer {i}"
+
+    operator: list[Any] = []
+    runtime = make_runtime(store, Script(handler), operator_publish=operator.append, include_internal_cause=True)
+    first = submit(runtime, "k1", "first")
+    await first.accepted
+
+    async def failing(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.acquire_run = failing
+    second = submit(runtime, "k2", "second")
+    queued = (await second.accepted).run
+    release.set()
+    assert (await second.result).terminal_reason == "abandoned"
+    ends = [e for e in operator if e.type == "run-terminal" and e.run_id == queued.id]
+    assert len(ends) == 1
+    (end,) = ends
+    assert (end.outcome, end.terminal_reason, end.steps) == ("committed", "abandoned", 0)
+    assert "database unreachable" in json.dumps(end.cause)
+    assert end.usage.input_tokens.provenance == "unavailable" and end.usage.cost.provenance == "unavailable"
+    assert not [e for e in operator if e.type == "run-started" and e.run_id == queued.id]
     await runtime.close()
 
 

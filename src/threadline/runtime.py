@@ -1137,6 +1137,21 @@ class AgentRuntime:
         finally:
             self._writes.end()
 
+    async def _requeue(self, run: Run, replay_safe: bool) -> RecoverResult:
+        """Requeue an acquired run (a recovery decision) and publish its ``run-state`` ``queued``."""
+        requeued = await self._recovery_write(
+            functools.partial(
+                self.store.recover_run,
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                expected_revision=run.revision,
+                action="requeue",
+                replay_safe=replay_safe,
+            )
+        )
+        self._publish_run_state(requeued.run, requeued.version)
+        return requeued
+
     def _first_request(self) -> RunOperation | None:
         """Step 0's request admission, to ride on the run's acquisition (one commit less per run); None
         with a compaction hook, which may write between the two."""
@@ -1461,16 +1476,7 @@ class AgentRuntime:
                 decision = dict(await call_maybe_async(policy, run)) if policy is not None else {"action": "skip"}
                 if decision.get("action") == "requeue":
                     with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
-                        await self._recovery_write(
-                            functools.partial(
-                                self.store.recover_run,
-                                conversation_id=run.conversation_id,
-                                run_id=run.id,
-                                expected_revision=run.revision,
-                                action="requeue",
-                                replay_safe=bool(decision.get("replay_safe")),
-                            )
-                        )
+                        await self._requeue(run, bool(decision.get("replay_safe")))
                 elif decision.get("action") == "abandon":
                     with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
                         await self._recovery_write(
@@ -1544,16 +1550,7 @@ class AgentRuntime:
                         outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
                         blocked = True
                         continue
-                    requeued = await self._recovery_write(
-                        functools.partial(
-                            self.store.recover_run,
-                            conversation_id=cid,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            action="requeue",
-                            replay_safe=bool(decision.get("replay_safe")),
-                        )
-                    )
+                    requeued = await self._requeue(run, bool(decision.get("replay_safe")))
                     run, kind = requeued.run, "requeued"
                 elif blocked:
                     outcomes.append(AgentRecoveryOutcome(cid, run.id, "blocked"))

@@ -265,6 +265,24 @@ async def test_recover_skips_acquired_runs_unless_a_policy_gives_evidence(store:
     await runtime.close()
 
 
+async def test_a_requeued_run_publishes_its_queued_run_state_before_it_runs_again(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="dead")
+    events: list[Any] = []
+    runtime = make_runtime(store, Script(), publish=events.append)
+    outcomes = await runtime.recover(
+        resolve_context=lambda run: {}, policy=lambda run: {"action": "requeue", "replay_safe": True}
+    )
+    assert [o.outcome for o in outcomes] == ["requeued"]
+    assert (await outcomes[0].result).terminal_reason == "success"
+    states = [(e.state, e.version) for e in events if e.type == "run-state"]
+    assert [s for s, _ in states] == ["queued", "running", "completed"]
+    assert [v for _, v in states] == sorted(v for _, v in states)
+    await runtime.close()
+
+
 async def test_recover_abandons_with_stale_owner_evidence(store: Any) -> None:
     accepted = await store.accept_input_and_assign_run(
         conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}

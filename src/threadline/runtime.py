@@ -873,7 +873,9 @@ class AgentRuntime:
         for run in active.runs:
             if run.acquired and run.id != newcomer:
                 with contextlib.suppress(AgentStoreConflictError, AgentRecordNotFoundError):
-                    await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run.id)
+                    result = await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run.id)
+                    if result.outcome == "requested":
+                        self._publish_run_state(result.run, result.version)
 
     async def _watch(self, conversation_id: str, run_id: str) -> None:
         """Settle a ticket of a run another process executes, by reading the stored run until it ends."""

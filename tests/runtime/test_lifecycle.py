@@ -283,6 +283,27 @@ async def test_a_requeued_run_publishes_its_queued_run_state_before_it_runs_agai
     await runtime.close()
 
 
+async def test_an_interrupting_input_for_a_run_executing_elsewhere_publishes_interrupt_requested(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="worker")
+    events: list[Any] = []
+    web = make_runtime(store, Script(), publish=events.append, runs={"execute": False, "input_policy": "interrupt"})
+    ticket = submit(web, "k2", "two")
+    await ticket.accepted
+    wanted = (accepted.run.id, "interrupt_requested")
+
+    async def published() -> None:
+        while wanted not in [(e.run_id, e.state) for e in events if e.type == "run-state"]:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(published(), 5)
+    loaded = await store.load_run(conversation_id="c1", run_id=accepted.run.id)
+    assert loaded.run.state == "interrupt_requested"
+    await web.close(force_timeout=1)
+
+
 async def test_recover_abandons_with_stale_owner_evidence(store: Any) -> None:
     accepted = await store.accept_input_and_assign_run(
         conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}

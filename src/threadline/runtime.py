@@ -873,7 +873,9 @@ class AgentRuntime:
         for run in active.runs:
             if run.acquired and run.id != newcomer:
                 with contextlib.suppress(AgentStoreConflictError, AgentRecordNotFoundError):
-                    await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run.id)
+                    result = await self.store.request_run_interrupt(conversation_id=conversation_id, run_id=run.id)
+                    if result.outcome == "requested":
+                        self._publish_run_state(result.run, result.version)
 
     async def _watch(self, conversation_id: str, run_id: str) -> None:
         """Settle a ticket of a run another process executes, by reading the stored run until it ends."""
@@ -1093,6 +1095,22 @@ class AgentRuntime:
             )
             return False
         self._publish_run_state(abandoned.run, abandoned.version)
+        if self.operator_publishing:
+            # the operator learns why: the acquisition's cause rides on its run-terminal (nothing was spent)
+            self.operator_publish(
+                AgentRunTerminalEvent(
+                    conversation_id=run.conversation_id,
+                    run_id=run.id,
+                    runtime_epoch=self.runtime_epoch,
+                    owner_id=self.owner_id,
+                    fencing_token=abandoned.run.fencing_token,
+                    outcome="committed",
+                    terminal_reason=abandoned.run.terminal_reason,
+                    steps=0,
+                    usage=AgentUsage(),
+                    cause=describe_internal_cause(cause) if self._hand_causes else None,
+                )
+            )
         self.waiters.resolve(run.id, self._result(abandoned.run, abandoned.assistant))
         return True
 
@@ -1120,6 +1138,21 @@ class AgentRuntime:
             return await call()
         finally:
             self._writes.end()
+
+    async def _requeue(self, run: Run, replay_safe: bool) -> RecoverResult:
+        """Requeue an acquired run (a recovery decision) and publish its ``run-state`` ``queued``."""
+        requeued = await self._recovery_write(
+            functools.partial(
+                self.store.recover_run,
+                conversation_id=run.conversation_id,
+                run_id=run.id,
+                expected_revision=run.revision,
+                action="requeue",
+                replay_safe=replay_safe,
+            )
+        )
+        self._publish_run_state(requeued.run, requeued.version)
+        return requeued
 
     def _first_request(self) -> RunOperation | None:
         """Step 0's request admission, to ride on the run's acquisition (one commit less per run); None
@@ -1445,16 +1478,7 @@ class AgentRuntime:
                 decision = dict(await call_maybe_async(policy, run)) if policy is not None else {"action": "skip"}
                 if decision.get("action") == "requeue":
                     with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
-                        await self._recovery_write(
-                            functools.partial(
-                                self.store.recover_run,
-                                conversation_id=run.conversation_id,
-                                run_id=run.id,
-                                expected_revision=run.revision,
-                                action="requeue",
-                                replay_safe=bool(decision.get("replay_safe")),
-                            )
-                        )
+                        await self._requeue(run, bool(decision.get("replay_safe")))
                 elif decision.get("action") == "abandon":
                     with contextlib.suppress(AgentStoreConflictError, AgentRuntimeClosedError):
                         await self._recovery_write(
@@ -1528,16 +1552,7 @@ class AgentRuntime:
                         outcomes.append(AgentRecoveryOutcome(cid, run.id, "skipped"))
                         blocked = True
                         continue
-                    requeued = await self._recovery_write(
-                        functools.partial(
-                            self.store.recover_run,
-                            conversation_id=cid,
-                            run_id=run.id,
-                            expected_revision=run.revision,
-                            action="requeue",
-                            replay_safe=bool(decision.get("replay_safe")),
-                        )
-                    )
+                    requeued = await self._requeue(run, bool(decision.get("replay_safe")))
                     run, kind = requeued.run, "requeued"
                 elif blocked:
                     outcomes.append(AgentRecoveryOutcome(cid, run.id, "blocked"))

@@ -4,6 +4,7 @@ resume and store failures around execution."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -264,6 +265,45 @@ async def test_recover_skips_acquired_runs_unless_a_policy_gives_evidence(store:
     await runtime.close()
 
 
+async def test_a_requeued_run_publishes_its_queued_run_state_before_it_runs_again(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="dead")
+    events: list[Any] = []
+    runtime = make_runtime(store, Script(), publish=events.append)
+    outcomes = await runtime.recover(
+        resolve_context=lambda run: {}, policy=lambda run: {"action": "requeue", "replay_safe": True}
+    )
+    assert [o.outcome for o in outcomes] == ["requeued"]
+    assert (await outcomes[0].result).terminal_reason == "success"
+    states = [(e.state, e.version) for e in events if e.type == "run-state"]
+    assert [s for s, _ in states] == ["queued", "running", "completed"]
+    assert [v for _, v in states] == sorted(v for _, v in states)
+    await runtime.close()
+
+
+async def test_an_interrupting_input_for_a_run_executing_elsewhere_publishes_interrupt_requested(store: Any) -> None:
+    accepted = await store.accept_input_and_assign_run(
+        conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
+    )
+    await store.acquire_run(conversation_id="c1", run_id=accepted.run.id, expected_revision=1, owner_id="worker")
+    events: list[Any] = []
+    web = make_runtime(store, Script(), publish=events.append, runs={"execute": False, "input_policy": "interrupt"})
+    ticket = submit(web, "k2", "two")
+    await ticket.accepted
+    wanted = (accepted.run.id, "interrupt_requested")
+
+    async def published() -> None:
+        while wanted not in [(e.run_id, e.state) for e in events if e.type == "run-state"]:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(published(), 5)
+    loaded = await store.load_run(conversation_id="c1", run_id=accepted.run.id)
+    assert loaded.run.state == "interrupt_requested"
+    await web.close(force_timeout=1)
+
+
 async def test_recover_abandons_with_stale_owner_evidence(store: Any) -> None:
     accepted = await store.accept_input_and_assign_run(
         conversation_id="c1", idempotency_key="k1", input={"id": "m1", "parts": [{"type": "text", "text": "one"}]}
@@ -350,6 +390,37 @@ async def test_an_acquisition_the_store_keeps_failing_abandons_the_run(store: An
     assert (await first.result).terminal_reason == "success"
     result = await second.result
     assert (result.terminal_reason, result.run.state, result.assistant.status) == ("abandoned", "abandoned", "failed")
+    await runtime.close()
+
+
+async def test_an_abandoned_acquisition_reports_its_cause_on_the_operator_run_terminal(store: Any) -> None:
+    release = asyncio.Event()
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            await release.wait()
+        yield f"answer {i}"
+
+    operator: list[Any] = []
+    runtime = make_runtime(store, Script(handler), operator_publish=operator.append, include_internal_cause=True)
+    first = submit(runtime, "k1", "first")
+    await first.accepted
+
+    async def failing(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.acquire_run = failing
+    second = submit(runtime, "k2", "second")
+    queued = (await second.accepted).run
+    release.set()
+    assert (await second.result).terminal_reason == "abandoned"
+    ends = [e for e in operator if e.type == "run-terminal" and e.run_id == queued.id]
+    assert len(ends) == 1
+    (end,) = ends
+    assert (end.outcome, end.terminal_reason, end.steps) == ("committed", "abandoned", 0)
+    assert "database unreachable" in json.dumps(end.cause)
+    assert end.usage.input_tokens.provenance == "unavailable" and end.usage.cost.provenance == "unavailable"
+    assert not [e for e in operator if e.type == "run-started" and e.run_id == queued.id]
     await runtime.close()
 
 

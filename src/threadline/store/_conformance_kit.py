@@ -282,11 +282,17 @@ class _Conv:
         return loaded.run
 
     # mutations
-    async def admit(self, n: str, *, text: str | None = None, **kwargs: Any) -> AcceptResult:
+    async def admit(
+        self, n: str, *, text: str | None = None, input: dict[str, Any] | None = None, **kwargs: Any
+    ) -> AcceptResult:
+        """Admit turn ``n``: its input is :meth:`draft` (``input`` replaces or adds fields of it)."""
         kwargs.setdefault("run_id", self.run(n))
         kwargs.setdefault("assistant_message_id", self.out(n))
         return await self.store.accept_input_and_assign_run(
-            conversation_id=self.cid, idempotency_key=self.key(n), input=self.draft(n, text), **kwargs
+            conversation_id=self.cid,
+            idempotency_key=self.key(n),
+            input={**self.draft(n, text), **(input or {})},
+            **kwargs,
         )
 
     async def acquire(self, run: Run, owner: str = "owner-a") -> Run:

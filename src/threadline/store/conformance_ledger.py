@@ -530,17 +530,7 @@ async def case_ledger_branch_approvals(store: AgentRuntimeStore) -> None:
         ],
     )
     response = {"type": "approval-response", "approval_id": "ap-source", "call_id": "call-1", "approved": True}
-    run = await c.acquire(
-        (
-            await store.accept_input_and_assign_run(
-                conversation_id=c.cid,
-                idempotency_key=c.key("t2"),
-                input={"id": c.inp("t2"), "role": "tool", "parts": [response]},
-                run_id=c.run("t2"),
-                assistant_message_id=c.out("t2"),
-            )
-        ).run
-    )
+    run = await c.acquire((await c.admit("t2", input={"id": c.inp("t2"), "role": "tool", "parts": [response]})).run)
     await c.finish(run, text="removed")
     await store.branch_conversation(
         request_key="a1",
@@ -567,15 +557,7 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
         return
     c = _Conv(store, "ledger-branch-ref")
     run = await c.acquire(
-        (
-            await c.store.accept_input_and_assign_run(
-                conversation_id=c.cid,
-                idempotency_key=c.key("t1"),
-                input={**c.draft("t1"), "metadata": {"ticket": {"links": [{"run_id": "run-from-elsewhere"}]}}},
-                run_id=c.run("t1"),
-                assistant_message_id=c.out("t1"),
-            )
-        ).run
+        (await c.admit("t1", input={"metadata": {"ticket": {"links": [{"run_id": "run-from-elsewhere"}]}}})).run
     )
     await c.finish(run, text="answer t1")
     source = {"kind": "conversation", "conversation_id": c.cid}
@@ -594,15 +576,7 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
     )
     plain = _Conv(store, "ledger-branch-plain")
     run = await plain.acquire(
-        (
-            await plain.store.accept_input_and_assign_run(
-                conversation_id=plain.cid,
-                idempotency_key=plain.key("t1"),
-                input={**plain.draft("t1"), "metadata": {"ticket": {"id": "T-7", "links": ["x"]}}},
-                run_id=plain.run("t1"),
-                assistant_message_id=plain.out("t1"),
-            )
-        ).run
+        (await plain.admit("t1", input={"metadata": {"ticket": {"id": "T-7", "links": ["x"]}}})).run
     )
     await plain.finish(run, text="answer t1")
     await store.branch_conversation(

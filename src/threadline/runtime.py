@@ -716,7 +716,9 @@ class AgentRuntime:
     ) -> None:
         try:
             if self.closing:
-                raise AgentRuntimeClosedError("the runtime is closing; it admits no new input")
+                raise AgentRuntimeClosedError(
+                    "the runtime is closed and admits no further work: submit() writes nothing"
+                )
             unknown = set(record_ids) - {"input_message_id", "run_id", "assistant_message_id"}
             if unknown:
                 raise AgentRecordValidationError(f"record_ids has unknown keys {sorted(unknown)}", field="record_ids")
@@ -747,7 +749,9 @@ class AgentRuntime:
             start = self.runs.execute and (idle is None or (not idle.busy and not idle.contexts))
             first = self._first_request() if start else None
             if self.closing:  # close() began while the preflight or the policy was deciding: write nothing
-                raise AgentRuntimeClosedError("the runtime is closing; it admits no new input")
+                raise AgentRuntimeClosedError(
+                    "the runtime is closed and admits no further work: submit() writes nothing"
+                )
             self._writes.begin()  # from here the admission is in flight: close() waits for its answer
             try:
                 accepted = await self.store.accept_input_and_assign_run(
@@ -1128,7 +1132,7 @@ class AgentRuntime:
 
     def _refuse_if_closing(self, what: str) -> None:
         if self.closing:
-            raise AgentRuntimeClosedError(f"the runtime is closing; {what}() starts nothing new")
+            raise AgentRuntimeClosedError(f"the runtime is closed and admits no further work: {what}() starts nothing")
 
     async def _recovery_write(self, call: Callable[[], Awaitable[C]]) -> C:
         """A recovery decision's write: refused once close() began, waited for by close() once sent."""

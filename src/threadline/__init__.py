@@ -184,6 +184,7 @@ if TYPE_CHECKING:
         ToolCallPart as ToolCallPart,
         ToolResultPart as ToolResultPart,
         export_json_schemas as export_json_schemas,
+        run_state_for_terminal_reason as run_state_for_terminal_reason,
     )
     from .runtime import (
         AgentAdmission as AgentAdmission,
@@ -371,6 +372,7 @@ _EXPORTS: dict[str, str] = {
     "ToolCallPart": ".records",
     "ToolResultPart": ".records",
     "export_json_schemas": ".records",
+    "run_state_for_terminal_reason": ".records",
     "AgentRunFailure": ".records",
     "AgentAdmission": ".runtime",
     "AgentPromptContext": ".runtime",
@@ -605,6 +607,7 @@ __all__ = [
     "reduce_agent_control_event",
     "reduce_agent_control_snapshot",
     "run_agent_store_conformance",
+    "run_state_for_terminal_reason",
     "select_agent_history",
     "select_compactable_history",
     "split_agent_history_turns",

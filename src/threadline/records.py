@@ -352,6 +352,17 @@ RUN_STATE_FOR_REASON: dict[str, str] = {
 }
 """The run state each terminal reason implies; a record whose state and reason disagree is refused."""
 
+
+def run_state_for_terminal_reason(reason: str) -> str:
+    """The run state a terminal reason ends a run in (``"interrupted"`` -> ``"interrupted"``,
+    ``"timeout"`` -> ``"cancelled"``, ``"policy_stop"`` -> ``"completed"``); the same table the record
+    check uses, so a run built from it is always accepted. An unknown reason is a ``ValueError``."""
+    try:
+        return RUN_STATE_FOR_REASON[reason]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown terminal reason {reason!r}; known: {sorted(RUN_STATE_FOR_REASON)}") from None
+
+
 ASSISTANT_STATUS_FOR_REASON: dict[str, str] = {
     "success": "completed",
     "provider_stop": "completed",

@@ -24,6 +24,7 @@ from threadline.harness import (
     create_agent_harness_control_server,
 )
 from threadline.harness.fanout import start_delivery
+from threadline.store import purge_agent_conversation
 
 from .conftest import SECRET, WAIT, Scripted, make_harness, submit, text, wait_for
 
@@ -563,3 +564,27 @@ async def test_start_delivery_runs_a_write_that_need_not_wait_at_once_and_contin
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, WAIT)
     assert steps[-1] == "cleaned up", "the cancellation reached the suspended write"
+
+
+async def test_an_attached_controller_cannot_recreate_a_purged_conversation() -> None:
+    scripted = Scripted()
+    harness = make_harness(scripted)
+    server = create_agent_harness_control_server(harness)
+    connection = server.connect(id="controller", deliver=lambda _: None, on_overflow=lambda _: None)
+
+    async def request(operation: str, **fields: Any) -> Any:
+        raw = {"request_id": operation, "operation": operation, "conversation_id": "target", **fields}
+        return await asyncio.wait_for(connection.request(raw), WAIT)
+
+    try:
+        assert (await request("attach", access="control")).outcome == "ok"
+        purged = await purge_agent_conversation(harness.runtime.store, conversation_id="target")
+        assert purged.outcome == "purged"
+        late = await request("submit", idempotency_key="late", context={"user_id": "u1"}, parts=text("late"))
+        assert late.outcome == "error"
+        assert "AgentConversationPurgedError" in late.error.message
+        assert (await harness.snapshot("target")).messages == ()
+        assert scripted.calls == []
+    finally:
+        server.close()
+        await harness.close()

@@ -43,6 +43,7 @@ from threadline.records import (
     ToolResultPart,
     assistant_status_for,
     export_json_schemas,
+    run_state_for_terminal_reason,
 )
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -239,6 +240,26 @@ def test_every_reason_validates_with_its_state(reason: str, state: str) -> None:
     run = Run(**terminal_run_fields(state, reason))
     assert run.terminal and not run.active
     assert Run.model_validate_json(run.model_dump_json()) == run
+
+
+@pytest.mark.parametrize("reason", sorted(RUN_STATE_FOR_REASON))
+def test_the_state_a_reason_ends_a_run_in_is_one_the_record_accepts(reason: str) -> None:
+    state = run_state_for_terminal_reason(reason)
+    assert Run(**terminal_run_fields(state, reason)).state == state
+
+
+def test_the_state_for_a_reason_is_public_and_refuses_an_unknown_reason() -> None:
+    import threadline
+
+    assert threadline.run_state_for_terminal_reason is run_state_for_terminal_reason
+    assert [run_state_for_terminal_reason(r) for r in ("interrupted", "timeout", "policy_stop", "shutdown")] == [
+        "interrupted",
+        "cancelled",
+        "completed",
+        "interrupted",
+    ]
+    with pytest.raises(ValueError, match="unknown terminal reason"):
+        run_state_for_terminal_reason("nope")
 
 
 @pytest.mark.parametrize(("reason", "state"), sorted(RUN_STATE_FOR_REASON.items()))

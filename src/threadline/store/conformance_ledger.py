@@ -76,6 +76,11 @@ async def case_ledger_transitions(store: AgentRuntimeStore) -> None:
     digest = transitions[2].input.assistant
     _equal((digest.status, digest.parts, digest.sha256 is not None), ("streaming", 1, True), "checkpoint digest")
     _expect("partial" not in json.dumps(events[2].payload), "a checkpoint record holds a digest, never the draft")
+    _equal(
+        sorted(events[2].payload["input"]["assistant"]),  # type: ignore[index]
+        ["bytes", "id", "parts", "sha256", "status"],
+        "a checkpoint's assistant record is its digest fields only",
+    )
     _equal([p.text for p in transitions[3].input.parts], ["final answer"], "the terminal carries the full assistant")
     # a refused mutation (stale revision) appends nothing
     await _raises(Exception, "stale checkpoint", c.checkpoint, run, "late")

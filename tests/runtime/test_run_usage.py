@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
+import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pydantic_ai.models.function import DeltaToolCall
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.usage import RequestUsage
 
-from threadline import AgentUsage, define_agent_tool
+from threadline import AgentRunUnsettledError, AgentStoreUnavailableError, AgentUsage, define_agent_tool
 from threadline.usage import AgentCost, UsageFigure
 
 from .conftest import Script, make_runtime, submit
@@ -276,3 +277,21 @@ async def test_an_executor_that_loses_the_terminal_still_reports_its_spend_and_d
     assert run_terminal.outcome == "lost"
     assert run_terminal.usage.cost == AgentCost(amount=Decimal(3), currency="USD", provenance="computed")
     assert result.run.id in run_terminal.event_id
+
+
+async def test_an_execution_that_cannot_settle_its_run_still_reports_what_it_spent(store: Any) -> None:
+    """The run's fate belongs to whoever settles it later; the money this execution spent is not in doubt."""
+    operator: list[Any] = []
+    runtime = make_runtime(store, _three_priced_steps(), tools=[lookup], operator_publish=operator.append)
+
+    async def down(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.commit_run_terminal = down
+    with pytest.raises(AgentRunUnsettledError):
+        await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    (run_terminal,) = [e for e in operator if e.type == "run-terminal"]
+    assert run_terminal.outcome == "unsettled"
+    assert run_terminal.usage.cost == AgentCost(amount=Decimal(3), currency="USD", provenance="computed")
+    assert run_terminal.usage.input_tokens == UsageFigure(value=6000, provenance="computed")

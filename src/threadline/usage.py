@@ -136,11 +136,27 @@ def _figure(value: int | None, provenance: Provenance, floor: bool = False) -> U
     return figure
 
 
+def _reported(value: Any) -> UsageFigure:
+    """A provider's token count as a step's figure. A count that is not a whole, non-negative number of
+    tokens (a provider reporting 3.5 input tokens) is no usable figure: ``unavailable``, never a failed
+    run that already answered."""
+    figure = _FIGURES.get((value, "provider-reported", False))
+    if figure is not None:  # the usual case: a count seen before
+        return figure
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return _UNAVAILABLE
+    if isinstance(value, float):
+        if not value.is_integer():
+            return _UNAVAILABLE
+        value = int(value)
+    return _figure(value, "provider-reported")
+
+
 def _carried(value: Any, zero_known: bool) -> UsageFigure:
     """A detail field as a step's figure: ``value`` is what its mapping set, None when it set nothing."""
     if value is None or (not value and not zero_known):
         return _UNAVAILABLE
-    return _figure(value, "provider-reported")
+    return _reported(value)
 
 
 _ZERO_FILLING_PROVIDERS = frozenset({"google", "google-cloud", "google-gla", "google-vertex"})
@@ -183,7 +199,8 @@ class AgentUsage(BaseModel):
         """One provider response's token usage (cost ``unavailable``); a response that omitted usage is
         all ``unavailable``. Prefer :meth:`from_response`, which also knows the cost.
 
-        Input and output are the provider's figures. Each detail field is ``provider-reported`` when the
+        Input and output are the provider's figures (a count that is not a whole number of tokens is
+        ``unavailable``). Each detail field is ``provider-reported`` when the
         response carried it (a carried 0 is a real 0) and ``unavailable`` when it did not, read from which
         fields ``usage``'s mapping set (the module docstring has the rule per provider). ``provider_name``
         (``ModelResponse.provider_name``) names a mapping that zero-fills fields: there a 0 is
@@ -195,8 +212,8 @@ class AgentUsage(BaseModel):
             "cache_audio_read_tokens" in carried and "cache_write_tokens" in carried
         )
         figures = {
-            "input_tokens": _figure(usage.input_tokens, "provider-reported"),
-            "output_tokens": _figure(usage.output_tokens, "provider-reported"),
+            "input_tokens": _reported(usage.input_tokens),
+            "output_tokens": _reported(usage.output_tokens),
             "cache_read_tokens": _carried(carried.get("cache_read_tokens"), zero_known),
             "cache_write_tokens": _carried(carried.get("cache_write_tokens"), zero_known),
             "reasoning_tokens": _carried(carried.get("output_reasoning_tokens"), zero_known),

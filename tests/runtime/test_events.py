@@ -18,6 +18,7 @@ from threadline.delivery import (
     advance_agent_runtime_event_cursor,
     create_agent_operator_sink,
     create_agent_runtime_event_sink,
+    reduce_agent_control_event,
 )
 from threadline.loop import AgentRetryPolicy
 
@@ -312,6 +313,27 @@ async def test_a_reconnecting_consumer_sees_no_false_gap_and_a_true_one(store: A
         cursor, kind = advance_agent_runtime_event_cursor(cursor, event)
         seen.append(kind)
     assert seen.count("gap") == 1
+
+
+async def test_a_control_view_fed_a_run_s_events_accumulates_its_streamed_text_without_a_gap(store: Any) -> None:
+    """Parts of a stream that publish nothing take no sequence number: what a view receives is numbered
+    1, 2, 3... so it never asks for a resync, and it shows the streamed text as it grows."""
+
+    async def hello(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        yield "hel"
+        yield "lo"
+
+    result, delivery, _ = await run_with(store, Script(hello))
+    assert transient_sequences(delivery.events, result.run.id) == [1, 2]
+    view = None
+    for event in delivery.events:
+        if event.type == "terminal":
+            break
+        view = reduce_agent_control_event(view, event)
+    assert view is not None
+    conversation = view.conversations["c1"]
+    assert not conversation.resync_required
+    assert conversation.transient_by_run[result.run.id].text == "hello"
 
 
 async def test_each_publisher_gets_its_events_without_the_other(store: Any) -> None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from typing import Any
 
+import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pydantic_ai.models.function import DeltaToolCall
+from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.usage import RequestUsage
 
-from threadline import AgentUsage, define_agent_tool
+from threadline import AgentRunUnsettledError, AgentStoreUnavailableError, AgentUsage, define_agent_tool
+from threadline.usage import AgentCost, UsageFigure
 
 from .conftest import Script, make_runtime, submit
 
@@ -132,3 +136,162 @@ async def test_a_one_step_run_total_on_its_terminal_events_is_computed_while_its
             step.input_tokens.value,
             step.output_tokens.value,
         )
+
+
+class _Reporting(WrapperModel):
+    """The wrapped model, its i-th request reporting ``usages[i]`` (the last one after) as the provider's
+    figures for that request, and ``costs[i]`` (US dollars) as its reported cost when given."""
+
+    def __init__(self, wrapped: Any, *usages: RequestUsage, costs: tuple[str, ...] = ()) -> None:
+        super().__init__(wrapped)
+        self.usages = usages
+        self.costs = costs
+        self.requests = 0
+
+    def request_stream(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.wrapped.request_stream(*args, **kwargs)
+        reported = self.usages[min(self.requests, len(self.usages) - 1)]
+        cost = self.costs[self.requests] if self.requests < len(self.costs) else None
+        self.requests += 1
+
+        class _Stream:
+            async def __aenter__(self_inner) -> Any:
+                stream = await inner.__aenter__()
+                stream.__class__ = type("Reported", (type(stream),), {"usage": property(lambda _: reported)})
+                if cost is not None:
+                    stream.provider_details = {"cost": cost}
+                return stream
+
+            async def __aexit__(self_inner, *exc: Any) -> Any:
+                return await inner.__aexit__(*exc)
+
+        return _Stream()
+
+
+async def test_a_fractional_token_count_from_the_provider_is_unavailable_and_the_run_still_answers(
+    store: Any,
+) -> None:
+    """A token is a whole number: a provider that reports 3.5 input tokens gave no usable input count, and
+    that is recorded as ``unavailable`` rather than failing the run that already answered."""
+    operator: list[Any] = []
+    script = Script()
+    script.model = _Reporting(script.model, RequestUsage(input_tokens=3.5, output_tokens=10))  # type: ignore[arg-type]
+    runtime = make_runtime(store, script, operator_publish=operator.append)
+    result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    assert result.terminal_reason == "success"
+    (step,) = [e.usage for e in operator if e.type == "step-finished"]
+    assert step.input_tokens == UsageFigure()  # unavailable
+    assert step.output_tokens == UsageFigure(value=10, provenance="provider-reported")
+    assert result.usage.input_tokens.value is None and result.usage.output_tokens.value == 10
+
+
+async def test_each_step_is_told_the_previous_request_s_prompt_size_not_the_run_s_input_total(store: Any) -> None:
+    """``context_usage`` is how full the window is: the last request's input tokens, as the provider reported
+    them. The first step has no such figure and says ``unavailable``, not 0; later steps never see the
+    run's cumulative input (which would count every earlier prompt again)."""
+    seen: list[Any] = []
+
+    async def two_lookups(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i < 2:
+            yield {0: DeltaToolCall(name="lookup", json_args="{}", tool_call_id=f"call-{i}")}
+        else:
+            yield "the answer"
+
+    script = Script(two_lookups)
+    prompts = (40_000, 50_000, 70_000)
+    script.model = _Reporting(script.model, *(RequestUsage(input_tokens=n, output_tokens=5) for n in prompts))  # type: ignore[assignment]
+    runtime = make_runtime(
+        store, script, tools=[lookup], loop={"prepare_step": lambda step: seen.append(step.context_usage)}
+    )
+    result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    assert result.terminal_reason == "success"
+    assert [(u.input_tokens, u.provenance) for u in seen] == [
+        (None, "unavailable"),
+        (40_000, "provider-reported"),
+        (50_000, "provider-reported"),
+    ]
+    assert {u.context_window for u in seen} == {100_000}
+    assert [u.ratio for u in seen] == [None, 0.4, 0.5]
+    assert result.usage.input_tokens.value == sum(prompts)  # the run's spend is the other, cumulative, figure
+
+
+def _three_priced_steps() -> Script:
+    """Two tool-calling steps and an answer: 1000/100 tokens for $0.50, 2000/200 for $1.00, 3000/300 for $1.50."""
+
+    async def two_lookups(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i < 2:
+            yield {0: DeltaToolCall(name="lookup", json_args="{}", tool_call_id=f"call-{i}")}
+        else:
+            yield "the answer"
+
+    script = Script(two_lookups)
+    usages = (RequestUsage(input_tokens=1000 * n, output_tokens=100 * n) for n in (1, 2, 3))
+    script.model = _Reporting(script.model, *usages, costs=("0.50", "1.00", "1.50"))  # type: ignore[assignment]
+    return script
+
+
+async def test_a_multi_step_run_reports_every_step_of_its_cost_as_a_computed_sum(store: Any) -> None:
+    delivered: list[Any] = []
+    operator: list[Any] = []
+    runtime = make_runtime(
+        store, _three_priced_steps(), tools=[lookup], publish=delivered.append, operator_publish=operator.append
+    )
+    result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    steps = [e.usage for e in operator if e.type == "step-finished"]
+    assert [s.cost for s in steps] == [
+        AgentCost(amount=Decimal(v), currency="USD", provenance="provider-reported") for v in ("0.50", "1.00", "1.50")
+    ]
+    assert steps[0].input_tokens == UsageFigure(value=1000, provenance="provider-reported")
+    (run_terminal,) = [e for e in operator if e.type == "run-terminal"]
+    (terminal,) = [e for e in delivered if e.type == "terminal"]
+    stored = (await store.load_run(conversation_id="c1", run_id=result.run.id)).run.usage
+    for usage in (run_terminal.usage, terminal.usage, result.usage, stored):
+        assert usage.cost == AgentCost(amount=Decimal(3), currency="USD", provenance="computed")
+        assert usage.input_tokens == UsageFigure(value=6000, provenance="computed")
+        assert usage.output_tokens == UsageFigure(value=600, provenance="computed")
+
+
+async def test_an_executor_that_loses_the_terminal_still_reports_its_spend_and_delivers_no_terminal(
+    store: Any,
+) -> None:
+    delivered: list[Any] = []
+    operator: list[Any] = []
+    runtime = make_runtime(
+        store, _three_priced_steps(), tools=[lookup], publish=delivered.append, operator_publish=operator.append
+    )
+    original = store.commit_run_terminal
+
+    async def beaten(**kwargs: Any) -> Any:
+        await original(**kwargs)  # another execution settles the run first
+        return await original(**kwargs)
+
+    store.commit_run_terminal = beaten
+    result = await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    assert result.metrics is None  # this execution did not commit the terminal
+    assert not [e for e in delivered if e.type == "terminal"]  # the winner delivered the turn
+    (run_terminal,) = [e for e in operator if e.type == "run-terminal"]
+    assert run_terminal.outcome == "lost"
+    assert run_terminal.usage.cost == AgentCost(amount=Decimal(3), currency="USD", provenance="computed")
+    assert result.run.id in run_terminal.event_id
+
+
+async def test_an_execution_that_cannot_settle_its_run_still_reports_what_it_spent(store: Any) -> None:
+    """The run's fate belongs to whoever settles it later; the money this execution spent is not in doubt."""
+    operator: list[Any] = []
+    runtime = make_runtime(store, _three_priced_steps(), tools=[lookup], operator_publish=operator.append)
+
+    async def down(**kwargs: Any) -> Any:
+        raise AgentStoreUnavailableError("database unreachable")
+
+    store.commit_run_terminal = down
+    with pytest.raises(AgentRunUnsettledError):
+        await asyncio.wait_for(submit(runtime, "k", "go").result, WAIT)
+    await runtime.close()
+    (run_terminal,) = [e for e in operator if e.type == "run-terminal"]
+    assert run_terminal.outcome == "unsettled"
+    assert run_terminal.usage.cost == AgentCost(amount=Decimal(3), currency="USD", provenance="computed")
+    assert run_terminal.usage.input_tokens == UsageFigure(value=6000, provenance="computed")

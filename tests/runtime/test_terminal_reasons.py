@@ -105,6 +105,7 @@ async def test_provider_stop_when_the_provider_ends_on_length(store: Any) -> Non
         "completed",
         "completed",
     )
+    assert result.policy_name is None  # the provider's cap, not an application policy
 
 
 async def test_idle_timeout_measures_provider_silence(store: Any) -> None:
@@ -205,6 +206,7 @@ async def test_provider_error_is_a_provider_failure(store: Any) -> None:
         "failed",
         "failed",
     )
+    assert result.policy_name is None and result.run.policy_name is None  # a failure is no policy's stop
 
 
 async def test_require_output_rejects_a_blank_answer(store: Any) -> None:

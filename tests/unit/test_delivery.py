@@ -343,6 +343,33 @@ async def test_operator_sink_keeps_a_cas_losers_own_terminal():
     await sink.aclose()
 
 
+async def test_a_failing_operator_consumer_is_counted_and_never_reaches_the_run():
+    errors: list[BaseException] = []
+
+    def deliver(event):
+        raise RuntimeError("sink unavailable")
+
+    sink = create_agent_operator_sink(deliver=deliver, capacity=5, on_publish_error=lambda e, ev: errors.append(e))
+    assert sink(run_terminal()) is None  # usable as operator_publish=: never raises
+    await sink.drain()
+    assert sink.failed == 1 and sink.delivered == 0 and len(errors) == 1
+    await sink.aclose()
+
+
+async def test_deduplication_forgets_beyond_its_window():
+    """Only the last ``dedupe_window`` ids are remembered: a long-lived sink does not grow without bound, and
+    an id that fell out of the window is delivered again."""
+    delivered: list[AgentRunTerminalEvent] = []
+    sink = create_agent_operator_sink(deliver=delivered.append, capacity=20, dedupe_window=3)
+    ids = ["r1:run-terminal:e1:0", "r1:run-terminal:e1:1", "r1:run-terminal:e1:2"]
+    for event_id in [*ids, ids[2], "r1:run-terminal:e1:3", ids[0]]:
+        sink.publish(run_terminal().model_copy(update={"event_id": event_id}))
+    await sink.drain()
+    assert [e.event_id for e in delivered] == [*ids, "r1:run-terminal:e1:3", ids[0]]
+    assert sink.duplicates == 1
+    await sink.aclose()
+
+
 # ------------------------------------------------------------------------------------------------ reducer
 
 

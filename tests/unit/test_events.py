@@ -260,6 +260,16 @@ def test_terminal_event_requires_usage():
         )
 
 
+def test_an_operator_field_belongs_to_the_kind_of_event_that_has_it():
+    base = {"conversation_id": C, "run_id": R, "runtime_epoch": "e1"}
+    started = AGENT_RUN_EVENT_ADAPTER.validate_python({**base, "type": "run-started", "queue_wait": 0.004})
+    assert started.type == "run-started" and not hasattr(started, "usage")
+    with pytest.raises(ValidationError):  # a step always knows which step it is
+        AGENT_RUN_EVENT_ADAPTER.validate_python({**base, "type": "step-finished", "usage": AgentUsage().model_dump()})
+    with pytest.raises(ValidationError):  # and a terminal always says what it spent
+        AGENT_RUN_EVENT_ADAPTER.validate_python({**base, "type": "run-terminal", "terminal_reason": "success"})
+
+
 def test_provider_response_identity_names_only_the_provider_it_is_given():
     from pydantic_ai.messages import ModelResponse
 

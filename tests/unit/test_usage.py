@@ -319,6 +319,22 @@ def test_from_response_without_usage_is_an_unreported_step():
         assert result == AgentUsage.unreported()
 
 
+def test_a_token_count_that_is_not_a_whole_number_is_unavailable_not_an_error():
+    """A token is a whole number: a fractional (or negative, or non-finite) count from a provider is no
+    usable figure. Money stays fractional."""
+    for bad in (3.5, -1, float("nan"), float("inf")):
+        usage = AgentUsage.from_request(RequestUsage(input_tokens=bad, output_tokens=10))  # type: ignore[arg-type]
+        assert usage.input_tokens == UsageFigure()
+        assert usage.output_tokens == UsageFigure(value=10, provenance="provider-reported")
+        assert AgentUsage.model_validate_json(usage.model_dump_json()) == usage
+    whole = AgentUsage.from_request(RequestUsage(input_tokens=7.0, output_tokens=10))  # type: ignore[arg-type]
+    assert whole.input_tokens == UsageFigure(value=7, provenance="provider-reported")
+    with pytest.raises(ValidationError):
+        UsageFigure(value=3.5, provenance="provider-reported")  # type: ignore[arg-type]
+    money = AgentCost(amount=Decimal("0.0125"), currency="USD", provenance="provider-reported")
+    assert money.amount == Decimal("0.0125")
+
+
 def test_from_response_ignores_a_malformed_reported_cost():
     r = response(GPT4O_USAGE, model_name="gpt-4o", provider_name="openai", provider_details={"cost": "n/a"})
     assert AgentUsage.from_response(r).cost.provenance == "estimated"

@@ -1037,6 +1037,9 @@ class _Execution:
                             self._reasoning_end(event.part, model.provider_name)
                         elif isinstance(event.part, PaiToolCallPart):
                             boundary = True
+                            if not state["first"]:  # a complete call is output, one without arguments too
+                                state["first"] = True
+                                state["first_pending"] = _now()
                             continue
                     else:
                         count += 1
@@ -1089,7 +1092,7 @@ class _Execution:
                 self._transient(ReasoningStartEvent)
                 reasoning = part.content
             elif isinstance(part, PaiToolCallPart):
-                output = bool(part.args) or bool(part.tool_name)
+                output = bool(part.args)  # a name alone is not output yet: its arguments or its end are
         else:
             delta = event.delta
             if isinstance(delta, TextPartDelta):

@@ -415,3 +415,28 @@ async def test_a_running_call_is_cancelled_and_reports_nothing_once_its_attempt_
     assert delivery.of("tool-progress") == []
     assert [e.status for e in delivery.of("tool-status") if e.call_id == "s1" and e.status == "completed"] == []
     await runtime.close()
+
+
+async def test_a_tool_name_alone_is_not_first_output_its_arguments_are(store: Any) -> None:
+    """First output is text, reasoning, a tool call's arguments or a complete call: a call whose name
+    arrived while its arguments have not is not output yet."""
+    from datetime import UTC, datetime
+
+    @define_agent_tool
+    async def lookup(q: str) -> str:
+        return q
+
+    marks: dict[str, datetime] = {}
+
+    async def handler(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+        if i == 0:
+            yield {0: DeltaToolCall(name="lookup", json_args=None, tool_call_id="c1")}
+            marks["before_arguments"] = datetime.now(UTC)
+            yield {0: DeltaToolCall(json_args='{"q": "x"}')}
+        else:
+            yield "done"
+
+    result, delivery, _ = await run_with(store, Script(handler), tools=[lookup])
+    assert result.terminal_reason == "success"
+    first = [e.operation for e in delivery.of("run-operation") if e.operation.phase == "first-output"][0]
+    assert first.step == 0 and first.first_output_at >= marks["before_arguments"]

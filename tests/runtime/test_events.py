@@ -438,5 +438,5 @@ async def test_a_tool_name_alone_is_not_first_output_its_arguments_are(store: An
 
     result, delivery, _ = await run_with(store, Script(handler), tools=[lookup])
     assert result.terminal_reason == "success"
-    first = [e.operation for e in delivery.of("run-operation") if e.operation.phase == "first-output"][0]
+    first = next(e.operation for e in delivery.of("run-operation") if e.operation.phase == "first-output")
     assert first.step == 0 and first.first_output_at >= marks["before_arguments"]

@@ -222,7 +222,7 @@ def _decode(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as error:
-        raise AgentStoreCorruptRecordError(f"{where}: the stored proof is not JSON") from error
+        raise AgentStoreCorruptRecordError("the stored proof is not JSON", where=where) from error
 
 
 # --------------------------------------------------------------------------------------- calling bodies
@@ -596,12 +596,12 @@ class LocalStepDurability:
         state, text, intent_at, accepted_at, reconciled = row
         where = f"step record {tuple(key)!r}"
         if state not in ("intent", "accepted") or (state == "accepted") != (text is not None):
-            raise AgentStoreCorruptRecordError(f"{where}: state {state!r} does not match its value")
+            raise AgentStoreCorruptRecordError(f"state {state!r} does not match its value", where=where)
         try:
             intent = datetime.fromisoformat(intent_at)
             accepted = datetime.fromisoformat(accepted_at) if accepted_at is not None else None
         except (TypeError, ValueError) as error:
-            raise AgentStoreCorruptRecordError(f"{where}: a timestamp is malformed") from error
+            raise AgentStoreCorruptRecordError("a timestamp is malformed", where=where) from error
         return AgentStepRecord(
             conversation_id=key.conversation_id,
             run_id=key.run_id,

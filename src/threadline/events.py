@@ -196,8 +196,9 @@ class ToolFailureEnvelope(TypedDict):
 
 
 class ToolStatusEvent(_Transient):
-    """Lifecycle of one tool call: JSON-safe ``input`` on ``started``, ``output`` on ``completed``, the
-    failure envelope as ``error`` on ``failed``."""
+    """Lifecycle of one tool call: JSON-safe ``input`` on ``started``, ``output`` on ``completed``; on
+    ``failed`` the failure envelope, the same as the stored tool result's ``output``, as both ``output``
+    and ``error``."""
 
     type: Literal["tool-status"] = "tool-status"
     call_id: str

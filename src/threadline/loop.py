@@ -1186,7 +1186,9 @@ class _Execution:
                 await lifecycle.on_error(info, error)  # type: ignore[misc]
             envelope = error_envelope(error)
             _log_tool_failure(self.run, tool_name, call_id, error, envelope)
-            self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="failed", error=envelope)
+            self._transient(
+                ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="failed", output=envelope, error=envelope
+            )
             return ToolResultPart(call_id=call_id, tool_name=tool_name, outcome="error", output=envelope)
         self._finished_calls.add(call_id)
         self._transient(ToolStatusEvent, call_id=call_id, tool_name=tool_name, status="completed", output=output)
@@ -1272,7 +1274,12 @@ class _Execution:
                     "message": response.reason or "the call was not approved",
                 }
                 self._transient(
-                    ToolStatusEvent, call_id=call.call_id, tool_name=call.tool_name, status="failed", error=envelope
+                    ToolStatusEvent,
+                    call_id=call.call_id,
+                    tool_name=call.tool_name,
+                    status="failed",
+                    output=envelope,
+                    error=envelope,
                 )
                 result = ToolResultPart(
                     call_id=call.call_id, tool_name=call.tool_name, outcome="error", output=envelope

@@ -136,7 +136,7 @@ async def test_compacts_the_prefix_and_projects_the_summary_as_system(store: Age
         await turn(store, n)
     summarize = Summarizer()
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=2)
-    assert outcome.outcome == "compacted" and (outcome.attempts, outcome.summarize_calls) == (1, 1)
+    assert outcome.outcome == "applied" and (outcome.attempts, outcome.summarize_calls) == (1, 1)
     assert outcome.replaced_message_ids == ("t1:in", "t1:out", "t2:in", "t2:out")
     assert summarize.calls == [(["t1:in", "t1:out", "t2:in", "t2:out"], None)]
     assert outcome.summary is not None and outcome.summary.id == outcome.summary_id
@@ -166,7 +166,7 @@ async def test_conflict_with_a_concurrent_input_resummarises_and_never_applies_t
 
     summarize = Summarizer(during=concurrent_input)
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, max_attempts=3)
-    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("compacted", 2, 2)
+    assert (outcome.outcome, outcome.attempts, outcome.summarize_calls) == ("applied", 2, 2)
     assert len(summarize.calls) == 2  # re-summarised from the reloaded snapshot
     assert summarize.calls[0][0] == summarize.calls[1][0] == ["t1:in", "t1:out", "t2:in", "t2:out"]
     texts = [summary_text(m) for m in await everything(store) if m.role == "summary"]
@@ -216,7 +216,7 @@ async def test_a_leading_summary_is_merged_and_replaced_not_stacked(store: Agent
     for n in ("t4", "t5"):
         await turn(store, n)
     second = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
-    assert second.outcome == "compacted"
+    assert second.outcome == "applied"
     assert summarize.calls[1] == (["t3:in", "t3:out", "t4:in", "t4:out"], "summary #1 of 4 messages")
     assert second.replaced_message_ids == (first.summary_id, "t3:in", "t3:out", "t4:in", "t4:out")
     assert await snapshot_ids(store) == [second.summary_id, "t5:in", "t5:out"]
@@ -236,7 +236,7 @@ async def test_a_leading_summary_is_merged_and_replaced_not_stacked(store: Agent
     third = await structured_compaction(
         store, CID, summarize=summarize, keep_recent_turns=1, read_previous_summary=read_previous
     )
-    assert third.outcome == "compacted" and seen == [second.summary_id]
+    assert third.outcome == "applied" and seen == [second.summary_id]
     assert summarize.calls[2][1] == json.dumps({"merged": "summary #2 of 4 messages"})
 
     # a direct call passes the previous summary itself
@@ -244,7 +244,7 @@ async def test_a_leading_summary_is_merged_and_replaced_not_stacked(store: Agent
     fourth = await structured_compaction(
         store, CID, summarize=summarize, keep_recent_turns=1, previous_summary="held by the app"
     )
-    assert fourth.outcome == "compacted" and summarize.calls[3][1] == "held by the app"
+    assert fourth.outcome == "applied" and summarize.calls[3][1] == "held by the app"
     assert [m.role for m in (await store.load_snapshot(conversation_id=CID)).messages].count("summary") == 1
 
 
@@ -271,7 +271,7 @@ async def test_a_superseded_turn_before_the_recent_turns_waits_with_them(store: 
     summarize = Summarizer()
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=2)
     # t2 answered x's input, and t2 is recent: x stays whole, and it did not stop the prefix
-    assert outcome.outcome == "compacted" and outcome.barrier is None
+    assert outcome.outcome == "applied" and outcome.barrier is None
     assert outcome.replaced_message_ids == ("t1:in", "t1:out")
 
 
@@ -289,7 +289,7 @@ async def test_a_superseded_turn_inside_the_range_stays_and_is_skipped(store: Ag
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1)
     replaced = ("t1:in", "t1:out", "x:in", "t2:in", "t2:out")  # x's input goes with t2, which answered it
     assert summarize.calls == [(list(replaced), None)]  # the discarded text never reaches the summariser
-    assert outcome.outcome == "compacted" and outcome.replaced_message_ids == replaced
+    assert outcome.outcome == "applied" and outcome.replaced_message_ids == replaced
     assert await snapshot_ids(store) == ["x:out", outcome.summary_id, "t3:in", "t3:out"]
     kept = next(m for m in await everything(store) if m.id == "x:out")
     assert (kept.status, kept.active, kept.compacted_by) == ("superseded", True, None)  # the record is kept
@@ -319,7 +319,7 @@ async def test_failed_evidence_opted_in_is_summarised(store: AgentRuntimeStore) 
         return "t1 answered; the next turn FAILED with partial output; t2 answered"
 
     outcome = await structured_compaction(store, CID, summarize=summarize, keep_recent_turns=1, evidence_policy=policy)
-    assert outcome.outcome == "compacted"
+    assert outcome.outcome == "applied"
     assert outcome.replaced_message_ids == (default.summary_id, "bad:in", "bad:out", "t2:in", "t2:out")
     assert reasons["bad:out"] == "failed-evidence"  # the failure reaches the summariser marked
     failed = [m for m in await everything(store) if m.id == "bad:out"]
@@ -372,6 +372,21 @@ async def test_not_needed_and_argument_errors(store: AgentRuntimeStore) -> None:
     assert await snapshot_ids(store) == ["t1:in", "t1:out"]
 
 
+async def test_a_summariser_that_raises_propagates_and_leaves_history_as_it_was(store: AgentRuntimeStore) -> None:
+    for n in ("t1", "t2"):
+        await turn(store, n)
+    before = await store.load_snapshot(conversation_id=CID)
+
+    async def unavailable(eligible: list[Message], previous: str | None) -> str:
+        raise RuntimeError("summary unavailable")
+
+    with pytest.raises(RuntimeError, match="summary unavailable"):
+        await structured_compaction(store, CID, summarize=unavailable, keep_recent_turns=1)
+    after = await store.load_snapshot(conversation_id=CID)
+    assert (after.version, [m.id for m in after.messages]) == (before.version, [m.id for m in before.messages])
+    assert not [m for m in await everything(store) if m.role == "summary"]
+
+
 async def test_runtime_hook_compacts_when_the_application_decides(store: AgentRuntimeStore) -> None:
     for n in ("t1", "t2", "t3"):
         await turn(store, n)
@@ -387,7 +402,7 @@ async def test_runtime_hook_compacts_when_the_application_decides(store: AgentRu
     assert await hook.before_step(store, CID, None) is None
     assert await hook.before_step(store, CID, {"input_tokens": 70, "context_window": 100}) is None
     outcome = await hook.before_step(store, CID, {"input_tokens": 80, "context_window": 100})
-    assert outcome is not None and outcome.outcome == "compacted"
+    assert outcome is not None and outcome.outcome == "applied"
     assert outcome.replaced_message_ids == ("t1:in", "t1:out", "t2:in", "t2:out")
     with pytest.raises(AgentRuntimeUsageError):
         AgentCompactionHook.parse({"summarize": Summarizer(), "keep_recent_turns": 1, "threshold": 0.8})

@@ -27,7 +27,7 @@ from threadline.durability import (
     create_local_step_durability,
     run_agent_step,
 )
-from threadline.errors import AgentStoreSchemaError
+from threadline.errors import AgentStoreCorruptRecordError, AgentStoreSchemaError
 from threadline.store.sqlite import create_sqlite_agent_runtime_store
 
 
@@ -81,6 +81,27 @@ async def test_the_proof_survives_closing_and_reopening(ledger_file: Path) -> No
         record = await reopened.read("c", "r", "open-ticket")
         assert record is not None and record.state == "accepted" and record.accepted_at is not None
         assert await run_agent_step(reopened, "c", "r2", "open-ticket", body) == got and calls == 2  # new run
+
+
+async def test_an_undecodable_proof_fails_closed_without_running_the_body(ledger_file: Path) -> None:
+    ran: list[str] = []
+
+    async def body() -> int:
+        ran.append("effect")
+        return 1
+
+    async with create_local_step_durability(ledger_file) as durability:
+        await run_agent_step(durability, "c", "r", "effect", body)
+    conn = sqlite3.connect(ledger_file)
+    try:
+        with conn:
+            conn.execute(f"UPDATE {STEP_EFFECTS_TABLE} SET value = '{{not-json'")
+    finally:
+        conn.close()
+    async with create_local_step_durability(ledger_file) as reopened:
+        with pytest.raises(AgentStoreCorruptRecordError, match="not JSON"):
+            await run_agent_step(reopened, "c", "r", "effect", body)
+    assert ran == ["effect"]  # the recorded effect is never run again on a proof it cannot read
 
 
 async def test_purge_is_durable(ledger_file: Path) -> None:

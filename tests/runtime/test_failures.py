@@ -187,6 +187,28 @@ async def test_a_failing_store_is_a_storage_failure(store: Any, caplog: pytest.L
     assert "giving up" in gave_up[0].getMessage()
 
 
+async def cut_after_first_chunk(i: int, messages: list[Any], info: Any) -> AsyncIterator[Any]:
+    yield "partial"
+    raise ConnectionError("Failed to process successful response")
+
+
+async def test_a_stream_cut_mid_read_blames_the_provider_and_a_store_failure_there_does_not(store: Any) -> None:
+    cut = await run_one(store, Script(cut_after_first_chunk))
+    assert (cut.terminal_reason, cut.error.origin) == ("provider_failure", "provider")
+
+    own = create_memory_agent_runtime_store()
+    original = own.checkpoint_run_assistant
+
+    async def unavailable(**kwargs: Any) -> Any:
+        if kwargs.get("operation") is not None and kwargs["operation"].phase == "first-output":
+            raise AgentStoreUnavailableError("operation storage unavailable")
+        return await original(**kwargs)
+
+    own.checkpoint_run_assistant = unavailable
+    result = await run_one(own, Script(cut_after_first_chunk), loop={"checkpoint_every_events": 1})
+    assert (result.terminal_reason, result.error.origin) == ("runtime_failure", "storage")
+
+
 async def test_a_refused_answer_says_the_protocol_refused_it(store: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="threadline")
 

@@ -150,6 +150,31 @@ async def test_error_envelopes_reach_the_model_and_causes_stay_local(store: Any)
     assert [type(c).__name__ for c in causes] == ["AppError", "KeyError"], "local hooks see the real causes"
 
 
+async def test_a_typed_failure_is_one_envelope_stored_published_and_shown_to_the_model(store: Any) -> None:
+    @define_agent_tool
+    async def guarded_operation() -> Any:
+        raise AppError("CONFLICT", "Selection is stale", details={"revision": 7})
+
+    events: list[Any] = []
+    script = call_then_answer("guarded_operation", "{}")
+    runtime = make_runtime(store, script, tools=[guarded_operation], publish=events.append)
+    result = await submit(runtime, "k", "go").result
+    await runtime.close()
+    expected = {
+        "error": "CONFLICT",
+        "message": "Selection is stale",
+        "retryable": False,  # a conflict repeats the same way: not a retry class
+        "details": {"revision": 7},
+        "status": 409,
+    }
+    [stored] = [p for p in result.assistant.parts if p.type == "tool-result"]
+    assert (stored.tool_name, stored.outcome, stored.output) == ("guarded_operation", "error", expected)
+    [failed] = [e for e in events if e.type == "tool-status" and e.status == "failed"]
+    assert (failed.tool_name, failed.output, dict(failed.error)) == ("guarded_operation", expected, expected)
+    assert tool_returns_seen(script, 1)[0].content == expected
+    assert result.terminal_reason == "success"
+
+
 async def test_an_authorization_hook_refuses_before_the_effect(store: Any) -> None:
     effects: list[str] = []
 

@@ -123,10 +123,10 @@ def test_unresolved_file_omit_text_and_error() -> None:
     assert decision(omitted, "u1").omitted_parts == ["file"]
 
     text = project_agent_history(history, {"unresolved_file": "text"})
-    assert text[0].parts[0].content == "look\n[file: cat.png]"
+    assert text[0].parts[0].content == "look\n[attachment: cat.png]"
     no_name = FilePart(reference="ref-1", media_type="application/pdf")
     text = project_agent_history([msg("u1", "user", no_name)], {"unresolved_file": "text"})
-    assert text[0].parts[0].content == "[file: application/pdf]"
+    assert text[0].parts[0].content == "[attachment: application/pdf]"
     assert "secret-key" not in ModelMessagesTypeAdapter.dump_json(text).decode()
 
     with pytest.raises(AgentHistoryProjectionError, match="s3://bucket/secret-key"):
@@ -136,7 +136,7 @@ def test_unresolved_file_omit_text_and_error() -> None:
 
 def test_resolver_returning_none_counts_as_unresolved() -> None:
     out = project_agent_history([msg("u1", "user", FILE)], {"resolve_file": lambda f: None, "unresolved_file": "text"})
-    assert out[0].parts[0].content == "[file: cat.png]"
+    assert out[0].parts[0].content == "[attachment: cat.png]"
 
 
 # ---------------------------------------------------------------------------------- other roles
@@ -281,6 +281,15 @@ def test_seed_interrupted_assistant_is_marked() -> None:
     assert INTERRUPTED_MARKER == "[interrupted: this turn was cut off before it finished]"
 
 
+def test_an_interrupted_turn_marked_is_projected_like_any_other_with_or_without_its_control_part() -> None:
+    for extra in ((), (ControlPart(),)):
+        cut = msg("a1", "assistant", TextPart(text="We are the team"), *extra, status="interrupted")
+        p = project_agent_history_detailed([user("u1"), cut, user("u2", "somewhere else")])
+        d = decision(p, "a1")
+        assert (d.action, d.reason, d.omitted_parts) == ("projected", "projected", [])
+        assert p.messages[1].parts[-1] == AiTextPart(INTERRUPTED_MARKER)
+
+
 def test_interrupted_system_note_and_omit() -> None:
     history = [user("u1"), msg("a1", "assistant", TextPart(text="partial"), status="interrupted")]
     note = project_agent_history_detailed(history, {"interrupted_assistant": "system-note"})
@@ -288,7 +297,7 @@ def test_interrupted_system_note_and_omit() -> None:
     assert note.system == ["[interrupted] partial response: partial"]
     omit = project_agent_history_detailed(history, {"interrupted_assistant": "omit"})
     assert [m.kind for m in omit.messages] == ["request"] and omit.system == []
-    assert decision(omit, "a1").reason == "interrupted-omitted"
+    assert (decision(omit, "a1").action, decision(omit, "a1").reason) == ("omitted", "interrupted")
 
 
 def test_interrupted_dangling_calls_are_dropped_even_in_error_mode() -> None:
@@ -379,6 +388,16 @@ def test_orphan_result_and_duplicate_call_id() -> None:
         project_agent_history(dup, {"incomplete_tool_turn": "error"})
 
 
+def test_a_turn_holding_only_an_unpairable_result_is_an_incomplete_tool_turn() -> None:
+    history = [user("u1"), msg("a1", "assistant", result("absent"))]
+    p = project_agent_history_detailed(history)
+    d = decision(p, "a1")
+    assert (d.action, d.reason, d.omitted_parts) == ("omitted", "incomplete-tool-turn", ["tool-result"])
+    assert [m.kind for m in p.messages] == ["request"]
+    with pytest.raises(AgentHistoryProjectionError, match="incomplete tool chronology"):
+        project_agent_history(history, {"incomplete_tool_turn": "error"})
+
+
 def test_a_result_naming_another_tool_is_unmatched_chronology() -> None:
     answer = msg("a1", "assistant", call("c1", "lookup"), result("c1", tool="delete"), TextPart(text="x"))
     history = [user("u1"), answer]
@@ -436,11 +455,22 @@ def test_a_call_awaiting_approval_alone_is_omitted_as_awaiting_approval() -> Non
     assert (d.action, d.reason, d.omitted_parts) == ("omitted", "awaiting-approval", ["tool-call", "approval-request"])
 
 
-def test_a_failed_turn_with_only_a_call_still_says_it_failed() -> None:
-    history = [user("u1"), msg("a1", "assistant", call("c1"), status="failed")]
+def test_failed_evidence_holding_only_an_unanswered_call_fails_closed() -> None:
+    # opting a failed run in as evidence does not make an effect of uncertain outcome evidence
+    history = [user("u1"), msg("a1", "assistant", call("c1", "effect"), status="failed")]
     p = project_agent_history_detailed(history, {"evidence_policy": {"failed_assistant": "assistant-marked"}})
-    assert p.messages[1].parts == [AiTextPart(FAILED_MARKER)]
-    assert decision(p, "a1").omitted_parts == ["tool-call"]
+    assert [m.kind for m in p.messages] == ["request"]
+    d = decision(p, "a1")
+    assert (d.action, d.reason, d.omitted_parts) == ("omitted", "incomplete-tool-turn", ["tool-call"])
+
+
+def test_failed_evidence_with_text_and_no_tool_call_still_says_it_failed() -> None:
+    for parts in ((TextPart(text="The key finding held."),), (ControlPart(),)):
+        history = [user("u1"), msg("a1", "assistant", *parts, status="failed")]
+        p = project_agent_history_detailed(history, {"evidence_policy": {"failed_assistant": "assistant-marked"}})
+        assert p.messages[-1].parts[-1] == AiTextPart(FAILED_MARKER)
+        assert "did not complete successfully" in FAILED_MARKER
+        assert decision(p, "a1").action == "projected"
 
 
 def test_leading_assistant_is_omitted() -> None:

@@ -219,7 +219,7 @@ def summary_text(message: Message) -> str:
 class AgentCompactionOutcome:
     """What :func:`structured_compaction` did.
 
-    - ``compacted``: ``summary`` (id ``summary_id``) replaced ``replaced_message_ids`` at ``version``;
+    - ``applied``: ``summary`` (id ``summary_id``) replaced ``replaced_message_ids`` at ``version``;
     - ``not_needed``: nothing is compactable (too few turns beyond ``keep_recent_turns``);
     - ``barrier``: nothing is compactable because an incomplete turn (``barrier``) comes first;
     - ``conflict``: every one of ``attempts`` lost to a concurrent write (such as a new input); nothing was
@@ -229,7 +229,7 @@ class AgentCompactionOutcome:
     ``summarize_calls`` counts the summaries computed (one per attempt that reached the store).
     """
 
-    outcome: Literal["compacted", "not_needed", "barrier", "conflict"]
+    outcome: Literal["applied", "not_needed", "barrier", "conflict"]
     attempts: int
     summarize_calls: int
     version: int
@@ -321,7 +321,7 @@ async def structured_compaction(
         version = result.version
         if result.outcome == "applied":
             return AgentCompactionOutcome(
-                "compacted",
+                "applied",
                 attempt,
                 calls,
                 version,
@@ -382,7 +382,7 @@ class AgentCompactionHook:
     async def before_step(self, store: Any, conversation_id: str, context_usage: Any) -> AgentCompactionOutcome | None:
         """Compact when ``should_compact(context_usage)`` says so; None when it does not.
 
-        Call it before loading the step's history. A ``compacted`` outcome changed settled history: a
+        Call it before loading the step's history. An ``applied`` outcome changed settled history: a
         view that follows this store object's writes picks it up; otherwise refresh before projecting.
         """
         if not await _maybe_await(self.should_compact(context_usage)):

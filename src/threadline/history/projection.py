@@ -17,7 +17,7 @@ What is never sent to a model as a message:
 - provider metadata (the ``envelope`` of a text, tool-call or reasoning part: item ids, signatures,
   Gemini thought signatures) to any provider but the one that produced it; that one gets it back on the
   part, as pydantic-ai's own parser had set it;
-- a file reference itself: only what ``resolve_file`` returns, or a ``[file: name]`` placeholder;
+- a file reference itself: only what ``resolve_file`` returns, or an ``[attachment: name]`` placeholder;
 - tool calls nobody answered, results without a call (or naming another tool than their call), and
   repeated call ids; an assistant left with nothing but such calls is omitted (``incomplete-tool-turn``,
   or ``awaiting-approval`` for a call suspended on an approval), whatever ``interrupted_assistant`` says;
@@ -149,7 +149,8 @@ def project_agent_history_detailed(
 
 _Kind = Literal["request", "response"]
 _STATUS_MARKER = {"interrupted": INTERRUPTED_MARKER, "failed": FAILED_MARKER}
-_PROJECTED_REASON = {"completed": "projected", "interrupted": "interrupted", "failed": "failed-evidence"}
+# an interrupted turn assistant-marked is projected like any other (its marker says it was cut off)
+_PROJECTED_REASON = {"completed": "projected", "interrupted": "projected", "failed": "failed-evidence"}
 
 
 class _Step:
@@ -303,7 +304,7 @@ class _Projector:
                 if resolved is not None:
                     items.append(resolved)
                 elif self.opts.unresolved_file == "text":
-                    items.append(f"[file: {part.filename or part.media_type}]")
+                    items.append(f"[attachment: {part.filename or part.media_type}]")
                 elif self.opts.unresolved_file == "error":
                     raise AgentHistoryProjectionError(
                         f"user message {m.id!r}: file {part.reference!r} could not be resolved", message_id=m.id
@@ -331,7 +332,7 @@ class _Projector:
         if status == "failed" and opts.evidence_policy.failed_assistant == "omit":
             return self._decide(m, "omitted", "failed")
         if status == "interrupted" and opts.interrupted_assistant == "omit":
-            return self._decide(m, "omitted", "interrupted-omitted")
+            return self._decide(m, "omitted", "interrupted")
         if status == "interrupted" and opts.interrupted_assistant == "system-note":
             return self._system_note(m)
         if not self.has_request:
@@ -342,11 +343,13 @@ class _Projector:
 
         steps, omitted, problems, dangling = self._steps(m, joined)
         if problems and opts.incomplete_tool_turn == "error":
-            raise AgentHistoryProjectionError(f"assistant {m.id!r}: {'; '.join(problems)}", message_id=m.id)
+            raise AgentHistoryProjectionError(
+                f"assistant {m.id!r}: incomplete tool chronology: {'; '.join(problems)}", message_id=m.id
+            )
         detail = "; ".join(problems) or None
-        if status != "failed" and "tool-call" in omitted and not any(s.response or s.returns or s.users for s in steps):
-            # nothing but calls that cannot be sent: the model would read it as an answer to nothing (a
-            # failed run opted in as evidence still says that it failed)
+        if "tool-call" in omitted and not any(s.response or s.returns or s.users for s in steps):
+            # nothing but calls that cannot be sent: the model would read it as an answer to nothing; a
+            # failed run opted in as evidence fails closed too (its effects are uncertain, not evidence)
             reason = "incomplete-tool-turn" if dangling else "awaiting-approval"
             return self._decide(m, "omitted", reason, omitted, detail=detail)
         marker = _STATUS_MARKER.get(status)
@@ -366,7 +369,8 @@ class _Projector:
             for uid in step.users:
                 self._user(self.live[uid], detail=f"joined {m.id} at a step boundary")
         if not projected_any:
-            return self._decide(m, "omitted", "empty", omitted)
+            # nothing left once unpairable results were dropped: a broken tool turn, not an empty one
+            return self._decide(m, "omitted", "incomplete-tool-turn" if problems else "empty", omitted, detail=detail)
         reason = "unmatched-tool-chronology" if problems else _PROJECTED_REASON[status]
         return self._decide(m, "projected", reason, omitted, detail=detail)
 

@@ -300,7 +300,7 @@ def estimate_message_tokens(message: Message) -> int:
         elif part.type == "tool-result":
             pieces.append(f"{part.tool_name} {json.dumps(part.output, default=str)}")
         elif part.type == "file":
-            pieces.append(f"[file: {part.filename or part.media_type}]")
+            pieces.append(f"[attachment: {part.filename or part.media_type}]")
         elif part.type == "approval-response" and part.reason:
             pieces.append(part.reason)
     return estimate_tokens("\n".join(pieces))

@@ -65,6 +65,9 @@ class AgentPendingApproval:
     input: Any
     run_id: str | None
     message_id: str
+    signature: str | None = None
+    """The request's signature as stored (``None`` for a request recorded without one): the successor run
+    re-verifies it before the tool runs."""
 
 
 def approval_state(
@@ -85,7 +88,7 @@ def approval_state(
 def pending_approvals(messages: Iterable[Message]) -> list[AgentPendingApproval]:
     requests, responses = approval_state(messages)
     return [
-        AgentPendingApproval(req.approval_id, req.call_id, req.tool_name, req.input, msg.run_id, msg.id)
+        AgentPendingApproval(req.approval_id, req.call_id, req.tool_name, req.input, msg.run_id, msg.id, req.signature)
         for approval_id, (req, msg) in requests.items()
         if approval_id not in responses
     ]

@@ -1,5 +1,5 @@
-"""File resources and skills (issue 21 item 2) on real directories: only declared absolute roots, symlinks never
-followed, provenance ``root_id:relative/path``, SKILL.md frontmatter through PyYAML's safe_load, instructions in
+"""File resources and skills (issue 21 item 2) on real directories: only declared absolute roots, symlinks refused
+(never followed), provenance ``root_id:relative/path``, SKILL.md frontmatter through PyYAML's safe_load, instructions in
 the prompt and skills/resources as summaries read later through ``read_resource``, the seeds' bounds, and one
 immutable discovery generation per loader."""
 
@@ -100,19 +100,36 @@ async def test_an_unknown_name_is_a_typed_refusal_the_model_sees(tree: Path) -> 
     await harness.close()
 
 
-async def test_symlinks_are_never_followed(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_a_symlink_under_a_root_fails_the_load_and_nothing_outside_is_read(
+    tree: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.md").write_text("the launch code")
-    os.symlink(outside / "secret.md", tree / "docs" / "linked.md")
-    os.symlink(outside, tree / "docs" / "linked-dir")
+    os.symlink(outside, tree / "docs" / "linked-dir")  # a symlinked directory: an escape from the root
     resources = loader(tree)
-    loaded = await resources.load()
-    assert all("launch code" not in r.text for r in loaded.resources)
-    assert "linked.md" not in {r.name for r in loaded.resources}
-    [warning] = loaded.diagnostics
-    assert warning.resource == "docs" and "2 symlink(s)" in warning.message
-    with pytest.raises(KeyError):
-        await resources.read("linked.md")
+    with pytest.raises(AgentHarnessResourceError, match="refuses symlinks") as refused:
+        await resources.load()
+    assert refused.value.field == "symlink" and "'docs'" in str(refused.value)
+    assert "launch code" not in str(refused.value)
+    (tree / "docs" / "linked-dir").unlink()
+    os.symlink(outside / "secret.md", tree / "docs" / "linked.md")  # a symlinked file too
+    with pytest.raises(AgentHarnessResourceError, match="refuses symlinks"):
+        await resources.load()
+    (tree / "docs" / "linked.md").unlink()
+    loaded = await resources.load()  # a refused discovery is not kept: the next load tries again
+    assert all("launch code" not in r.text for r in loaded.resources) and loaded.diagnostics == ()
+
+
+async def test_a_run_over_a_root_with_a_symlink_fails_before_any_provider_request(
+    tree: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    outside = tmp_path_factory.mktemp("outside")
+    os.symlink(outside, tree / "skills" / "escaped")
+    scripted = Scripted()
+    harness = make_harness(scripted, resources=loader(tree))
+    result = await asyncio.wait_for(submit(harness, "k1", "hello").result, WAIT)
+    assert result.terminal_reason == "runtime_failure" and scripted.calls == []
+    await harness.close()
 
 
 async def test_one_loader_is_one_immutable_generation(tree: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from threadline import define_agent_tool
+from threadline import AgentApprovalError, define_agent_tool
 from threadline.harness import (
     AgentHarnessDiagnostics,
     AgentHarnessProfileEvent,
@@ -261,11 +261,19 @@ async def test_snapshot_interrupt_and_approvals_go_through_the_harness() -> None
     paused = await asyncio.wait_for(submit(harness, "k1", "charge me").result, WAIT)
     assert paused.terminal_reason == "provider_stop" and effects == []
     [pending] = await harness.pending_approvals("c1")
+    assert pending.tool_name == "charge" and pending.signature, "the pending approval carries its signed request"
+    [request] = [p for m in (await harness.snapshot("c1")).messages for p in m.parts if p.type == "approval-request"]
+    assert request.signature == pending.signature
     ticket = await harness.respond_to_approval(
         conversation_id="c1", approval_id=pending.approval_id, approved=True, context={"user_id": "u1"}
     )
     done = await asyncio.wait_for(ticket.result, WAIT)
     assert effects == [5] and answer_text(done) == "the tool said: charged 5"
+    assert await harness.pending_approvals("c1") == []
+    with pytest.raises(AgentApprovalError, match="already answered"):
+        await harness.respond_to_approval(
+            conversation_id="c1", approval_id=pending.approval_id, approved=True, context={"user_id": "u1"}
+        )
     snapshot = await harness.snapshot("c1")
     assert [r.terminal_reason for r in snapshot.runs] == ["provider_stop", "success"]
     assert snapshot.messages[-1].id == done.assistant.id

@@ -3,9 +3,9 @@
 Only the roots the application declares are read: each is ``{"id", "path", "kind"}`` with an absolute
 ``path`` and ``kind`` ``instruction``, ``skill`` or ``resource``. Discovery walks each root with the coding
 tools' descriptor-anchored traversal (:meth:`threadline.coding.workspace.Workspace.walk`): every directory
-is opened relative to its parent with ``O_NOFOLLOW``, so a symlink is never followed (it is skipped and
-reported as a diagnostic), and only regular files are opened. A resource's provenance is
-``root_id:relative/path``.
+is opened relative to its parent with ``O_NOFOLLOW``, so a symlink is never followed: a root with a
+symlink anywhere under it fails the load (discovery refuses symlinks), and only regular files are opened.
+A resource's provenance is ``root_id:relative/path``.
 
 - ``instruction`` files enter the prompt as they are.
 - ``skill`` roots hold one directory per skill with a ``SKILL.md`` whose YAML frontmatter (parsed with
@@ -22,8 +22,9 @@ that failed is not kept: the next ``load`` tries again.
 
 Bounds (:class:`AgentHarnessFileLimits`; the seeds' defaults): 128 files, depth 8, 256 KiB per file and
 1 MiB in all. A file over its bound, text that is not UTF-8, a skill without valid frontmatter, a duplicate
-name or a missing root fails the load (:class:`~threadline.harness.AgentHarnessResourceError`), and with it
-the run, before any provider request. Needs ``pip install 'threadline[harness]'`` (PyYAML).
+name, a symlink under a root or a missing root fails the load
+(:class:`~threadline.harness.AgentHarnessResourceError`), and with it the run, before any provider request.
+Needs ``pip install 'threadline[harness]'`` (PyYAML).
 """
 
 from __future__ import annotations
@@ -212,12 +213,12 @@ class AgentHarnessFileResources:
             except WorkspaceError as error:
                 raise AgentHarnessResourceError(f"root {root.id!r}: {error}", field="roots") from None
             if stats.skipped_symlinks:
-                diagnostics.append(
-                    AgentHarnessResourceDiagnostic(
-                        resource=root.id,
-                        severity="warning",
-                        message=f"{stats.skipped_symlinks} symlink(s) under the root were not followed",
-                    )
+                # a symlink could lead out of the declared root: discovery refuses the root rather than
+                # leaving out what the deployer may believe is loaded
+                raise AgentHarnessResourceError(
+                    f"root {root.id!r}: discovery refuses symlinks; {stats.skipped_symlinks} found under the root "
+                    "(replace them with the files or directories themselves)",
+                    field="symlink",
                 )
             for reason in stats.reasons:
                 if reason != "max-search-files":

@@ -78,6 +78,10 @@ async def test_refusals_before_spawning(make_tools, tmp_path: Path) -> None:
     assert (await allowed.envelope("run_command", executable="py", args=["a", "b", "c"]))["error"] == "BAD_REQUEST"
     assert (await allowed.envelope("run_command", executable="py", args=["a\x00"]))["error"] == "BAD_REQUEST"
     assert (await allowed.envelope("run_command", executable="py", cwd="../"))["error"] == "FORBIDDEN"
+    # the working directory is held to the file tools' spelling: a backslash or a '..' segment is FORBIDDEN
+    (tmp_path / "ws" / "work").mkdir()
+    for cwd in ("work\\nested", "work/../work"):
+        assert (await allowed.envelope("run_command", executable="py", cwd=cwd))["error"] == "FORBIDDEN", cwd
     assert (await allowed.envelope("run_command", executable="py", cwd="nope"))["error"] == "NOT_FOUND"
     assert not marker.exists()
 

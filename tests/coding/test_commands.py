@@ -78,6 +78,10 @@ async def test_refusals_before_spawning(make_tools, tmp_path: Path) -> None:
     assert (await allowed.envelope("run_command", executable="py", args=["a", "b", "c"]))["error"] == "BAD_REQUEST"
     assert (await allowed.envelope("run_command", executable="py", args=["a\x00"]))["error"] == "BAD_REQUEST"
     assert (await allowed.envelope("run_command", executable="py", cwd="../"))["error"] == "FORBIDDEN"
+    # the working directory is held to the file tools' spelling: a backslash or a '..' segment is FORBIDDEN
+    (tmp_path / "ws" / "work").mkdir()
+    for cwd in ("work\\nested", "work/../work"):
+        assert (await allowed.envelope("run_command", executable="py", cwd=cwd))["error"] == "FORBIDDEN", cwd
     assert (await allowed.envelope("run_command", executable="py", cwd="nope"))["error"] == "NOT_FOUND"
     assert not marker.exists()
 
@@ -166,7 +170,9 @@ async def test_output_beyond_the_preview_goes_to_an_artifact(make_tools, tmp_pat
     artifact = result["artifact"]
     assert result["outcome"] == "exited" and artifact["truncated"] is False
     assert result["stdout"].startswith("line 1\n") and result["stdout"].endswith("line 2000\n")
-    assert "bytes omitted" in result["stdout"]
+    # the preview is the head and the tail joined; the cut is described by the artifact, not inlined
+    assert "omitted" not in result["stdout"]
+    assert len(result["stdout"].encode()) == artifact["head_bytes"] + artifact["tail_bytes"]
     assert artifact["omitted_bytes"] > 0 and artifact["head_bytes"] + artifact["tail_bytes"] <= 2000
     first = await tools.call("read_output", reference=artifact["reference"], max_bytes=30)
     assert first["text"].startswith("--- stdout ---\nline 1\n") and first["next_offset"] == 30

@@ -248,3 +248,27 @@ async def test_regex_reads_javascript_escapes(make_tools, workspace: Path) -> No
     lone = await tools.envelope("search_files", query=r"\uD83D", regex=True)
     assert lone["error"] == "BAD_REQUEST" and "surrogate" in lone["message"]
     assert await lines(r"(?i-s:ALPHA) \S+ (?ims-ims:grin)$") == [1]
+
+
+async def test_the_include_hint_appears_only_when_the_include_produced_the_zero(make_tools, workspace: Path) -> None:
+    tools = make_tools()
+    # one directory at the top: '*.py' keeps it out, and the hint counts what the pattern rejected
+    nothing = await tools.call("search_files", query="import", include="*.py")
+    assert nothing["scanned_files"] == 0 and "rejected all 2 file" in nothing["hint"]
+    (workspace / "top.py").write_text("import sys\n")
+    only_top = await tools.call("search_files", query="nothing-here", include="*.md", mode="path")
+    assert only_top["scanned_files"] == 1 and "hint" not in only_top  # README.md passed the include
+
+
+async def test_no_include_hint_for_an_empty_workspace_or_files_the_host_refused(make_tools, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = await make_tools(root=empty).call("search_files", query="needle", include="*.py")
+    assert (result["matches"], result["scanned_files"]) == ([], 0) and "hint" not in result
+    guarded = tmp_path / "guarded"
+    guarded.mkdir()
+    (guarded / "secret.py").write_text("needle = 1\n")
+    tools = make_tools(root=guarded, deny=("secret.py",))
+    refused = await tools.call("search_files", query="needle", include="**/*.py")
+    assert (refused["matches"], refused["scanned_files"]) == ([], 0) and "hint" not in refused
+    assert refused["denied"] == [{"path": "secret.py", "kind": "file"}]

@@ -93,7 +93,7 @@ async def test_read_file_refusals(make_tools, workspace: Path) -> None:
         "bin.dat": ("BAD_REQUEST", 400),
         "link": ("FORBIDDEN", 403),
         "../outside/secret.txt": ("FORBIDDEN", 403),
-        "src\\app.py": ("BAD_REQUEST", 400),
+        "src\\app.py": ("FORBIDDEN", 403),
         "src/util.py": ("FORBIDDEN", 403),
         "README.md/x": ("BAD_REQUEST", 400),
     }
@@ -296,3 +296,22 @@ async def test_a_host_callback_error_keeps_its_cause(workspace: Path) -> None:
     with pytest.raises(RuntimeError, match="host policy crashed") as info:
         await tool.call(ctx, tool.validate({"path": "README.md"}))
     assert error_envelope(info.value) == {"error": "INTERNAL_SERVER_ERROR", "retryable": False}
+
+
+async def test_a_backslash_spelling_under_a_denied_directory_is_forbidden_and_writes_nothing(
+    make_tools, workspace: Path
+) -> None:
+    (workspace / "credentials").mkdir()
+    (workspace / "credentials" / "token.txt").write_text("SECRET=1\n")
+    tools = make_tools(deny=("credentials",))
+    for name, arguments in (
+        ("read_file", {"path": "credentials\\token.txt"}),
+        ("write_file", {"path": "credentials\\token.txt", "content": "changed", "overwrite": True}),
+        ("edit_file", {"path": "credentials\\token.txt", "old_text": "SECRET=1", "new_text": "x"}),
+        ("list_directory", {"path": "credentials\\nested"}),
+    ):
+        envelope = await tools.envelope(name, **arguments)
+        assert (envelope["error"], envelope["status"]) == ("FORBIDDEN", 403), name
+        assert "credentials/token.txt" in envelope["_hint"] or name == "list_directory"
+    assert (workspace / "credentials" / "token.txt").read_text() == "SECRET=1\n"
+    assert tools.paths == []  # refused by its spelling: no policy was asked about another decomposition

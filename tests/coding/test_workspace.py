@@ -13,6 +13,7 @@ from threadline.coding.workspace import (
     WalkLimits,
     WalkStats,
     Workspace,
+    WorkspaceBackslashError,
     WorkspaceChangedError,
     WorkspaceError,
     WorkspaceExistsError,
@@ -56,7 +57,7 @@ def test_root_must_be_absolute_and_a_directory(tmp_path: Path) -> None:
     [
         ("", WorkspacePathError),
         ("a\x00b", WorkspacePathError),
-        ("src\\a.py", WorkspacePathError),
+        ("src\\a.py", WorkspaceBackslashError),
         ("src//a.py", WorkspacePathError),
         ("./src/a.py", WorkspacePathError),
         ("src/", WorkspacePathError),
@@ -78,8 +79,9 @@ def test_spellings_refused_before_any_filesystem_access(tree, spelling: str, err
 
 def test_backslash_hint_and_canonical_hint(tree) -> None:
     ws = Workspace(tree[0])
-    with pytest.raises(WorkspacePathError) as info:
+    with pytest.raises(WorkspaceBackslashError) as info:
         ws.parse("src\\a.py")
+    assert info.value.code == "FORBIDDEN"
     assert "src/a.py" in (info.value.hint or "")
     with pytest.raises(WorkspacePathError) as info:
         ws.parse("./src//a.py")

@@ -63,11 +63,16 @@ _BINARY_PROBE = 65_536
 
 _LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
 
-INCLUDE_HINT = (
-    "the anchored include pattern (coverage.scope.include) admitted no file; '*' does not cross '/', so use a "
-    "pattern such as '**/*.py' for files in subdirectories"
-)
-"""The hint of a search whose include admitted no file (the pattern itself is in ``coverage.scope``)."""
+
+def include_hint(rejected: int) -> str:
+    """The hint of a search whose include pattern rejected every file or directory it was compared with
+    (``rejected`` of them) — given only when the include is what produced the zero, never for an empty
+    workspace or files the host refused. The pattern itself is in ``coverage.scope.include``."""
+    noun = "file or directory" if rejected == 1 else "files or directories"
+    return (
+        f"the anchored include pattern (coverage.scope.include) rejected all {rejected} {noun} it was compared "
+        "with; '*' does not cross '/', so use a pattern such as '**/*.py' for files in subdirectories"
+    )
 
 
 def _unbounded_construct(pattern: str) -> str | None:
@@ -311,7 +316,7 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             "coverage": coverage(new_stats(config), started=started, scope=scope, content_bytes=0),
         }
         if include is not None:
-            empty["hint"] = INCLUDE_HINT
+            empty["hint"] = include_hint(limits.max_search_entries)  # measured at its widest count
         budget = OutputBudget(limits.max_search_output_bytes, empty)
         if not budget.fits:
             refuse(
@@ -349,8 +354,9 @@ def create_search_tools(config: CodingConfig) -> list[AgentTool]:
             **diagnostics(stats, budget),
             "coverage": coverage(stats, started=started, scope=scope, content_bytes=run.content_bytes),
         }
-        if include is not None and run.scanned == 0 and stats.files == 0:
-            result["hint"] = INCLUDE_HINT
+        rejected = stats.include_rejected + stats.pruned_directories
+        if include is not None and run.scanned == 0 and stats.include_admitted == 0 and rejected:
+            result["hint"] = include_hint(rejected)
         return result
 
     return [search_files]

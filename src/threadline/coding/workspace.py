@@ -68,6 +68,7 @@ __all__ = (
     "WalkLimits",
     "WalkStats",
     "Workspace",
+    "WorkspaceBackslashError",
     "WorkspaceChangedError",
     "WorkspaceError",
     "WorkspaceExistsError",
@@ -128,7 +129,7 @@ class WorkspaceError(ThreadlineError):
 
 
 class WorkspacePathError(WorkspaceError):
-    """The spelling of a path is not accepted (empty, NUL, backslash, ``.``/empty segment, too long)."""
+    """The spelling of a path is not accepted (empty, NUL, ``.``/empty segment, too long)."""
 
 
 class WorkspaceForbiddenError(WorkspaceError):
@@ -142,6 +143,11 @@ class WorkspaceForbiddenError(WorkspaceError):
         self.recovery_path = recovery_path
         if recovery_path is not None:
             self.details["recovery_path"] = recovery_path
+
+
+class WorkspaceBackslashError(WorkspaceForbiddenError):
+    """The path contains a backslash: refused (``FORBIDDEN``), never normalised, so no policy is asked about a
+    different decomposition than the one that would be opened."""
 
 
 class WorkspaceSymlinkError(WorkspaceForbiddenError):
@@ -524,6 +530,10 @@ class WalkStats:
     skipped_symlinks: int = 0
     excluded_directories: int = 0
     pruned_directories: int = 0
+    include_rejected: int = 0
+    """Files the walk's ``include`` filter rejected (with ``pruned_directories``: what the include kept out)."""
+    include_admitted: int = 0
+    """Files the ``include`` filter admitted, before the path policy was asked about them."""
     denied: list[dict[str, str]] = field(default_factory=list)
     denied_count: int = 0
     errors: list[dict[str, str]] = field(default_factory=list)
@@ -606,7 +616,8 @@ class Workspace:
 
     def parse(self, path: Any, *, allow_root: bool = False, max_path_bytes: int = MAX_PATH_BYTES) -> tuple[str, ...]:
         """Check a requested path's spelling and split it into segments (``()`` for ``.`` with
-        ``allow_root``). Refuses before any filesystem access: a non-string or empty path, NUL, a backslash,
+        ``allow_root``). Refuses before any filesystem access: a non-string or empty path, NUL, a backslash
+        (:class:`WorkspaceBackslashError`, ``FORBIDDEN``),
         more than ``max_path_bytes`` UTF-8 bytes, an absolute path (:class:`WorkspaceForbiddenError` with the
         workspace-relative ``recovery_path`` when it lies inside the root), ``..``, ``.`` or empty segments
         and names longer than 255 bytes."""
@@ -623,7 +634,9 @@ class Workspace:
                 f"this path is {len(encoded)} bytes, over the {max_path_bytes}-byte limit", hint="use a shorter path"
             )
         if "\\" in path:
-            raise WorkspacePathError(
+            # FORBIDDEN, like the other spellings that could reach an entry the host's policy never saw: the
+            # walk would read a backslash as a separator while every callback would be asked about one name
+            raise WorkspaceBackslashError(
                 "a path uses / as its separator; a backslash is refused, not normalised",
                 path=path,
                 hint=f"use {path.replace(chr(92), '/')!r} if you meant those as separators",
@@ -934,8 +947,11 @@ class Workspace:
                     continue
                 if entry.kind != "file":
                     continue
-                if include is not None and not include(relative):
-                    continue
+                if include is not None:
+                    if not include(relative):
+                        stats.include_rejected += 1
+                        continue
+                    stats.include_admitted += 1
                 if admit is not None:
                     admitted = await _ask(admit, relative, "file", limits.deadline, stats)
                     if admitted is None:  # undecided at the deadline

@@ -4,6 +4,7 @@
                                          [--turns 10] [--model function|minimal] [--repeat 1]
                                          [--dsn postgresql://postgres@127.0.0.1:5432/test] [--pool-max 10]
                                          [--verbose] [--profile sqlite-1|postgres-1] [--switch-interval S]
+                                         (PROFILE_OUT=FILE with --profile: also dump the loop's stats)
                                          [--no-group-commit] [--no-additions]
 
 DESIGN §5: 100 conversations × 10 turns in one process, at least 10× LangGraph on the same workload
@@ -300,7 +301,7 @@ async def profiled(store: AgentRuntimeStore, body: Callable[[], Awaitable[Batch]
     on_worker = config.startswith("sqlite") and await driver_call(store, worker_prof.enable)
     loop_prof.enable()
     batch = await body()
-    if os.environ.get("PROFILE_OUT"):
+    if os.environ.get("PROFILE_OUT"):  # the event-loop thread's raw stats, for pstats (callers, callees)
         loop_prof.dump_stats(os.environ["PROFILE_OUT"])
     loop_prof.disable()
     if on_worker:

@@ -16,11 +16,11 @@ async def test_list_directory_marks_excluded_lists_symlinks_and_names_denied(mak
     tools = make_tools(deny=(".env",))
     result = await tools.call("list_directory")
     assert result["path"] == "."
-    assert result["entries"] == [
-        {"name": "README.md", "kind": "file", "bytes": len("# Project\n\nSay hello.\n")},
-        {"name": "escape", "kind": "symlink"},
+    assert result["entries"] == [  # directories first, then the rest, each by name
         {"name": "node_modules", "kind": "directory", "excluded": True},
         {"name": "src", "kind": "directory"},
+        {"name": "README.md", "kind": "file", "bytes": len("# Project\n\nSay hello.\n")},
+        {"name": "escape", "kind": "symlink"},
     ]
     assert result["denied"] == [{"path": ".env", "kind": "file"}] and result["denied_truncated"] is False
     assert result["coverage"]["complete"] is False and result["coverage"]["reasons"] == ["denied"]

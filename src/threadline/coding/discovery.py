@@ -311,6 +311,9 @@ def create_discovery_tools(config: CodingConfig) -> list[AgentTool]:
             finally:
                 os.close(fd)
         observe_deadline(stats, deadline)
+        # directories first, then everything else, each by name: the order a reader scans a tree in (which
+        # entries a cap keeps is still decided by name)
+        listed.sort(key=lambda item: item["kind"] != "directory")
         return {
             "path": relative,
             "entries": listed,

@@ -155,6 +155,26 @@ def test_define_model_registry_checks_every_field(models: Any, default: Any, fie
     assert refused.value.field == field
 
 
+def test_a_missing_capability_refuses_the_model_before_its_provider_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from threadline import models as model_module
+
+    built: list[str] = []
+
+    def build(name: str) -> TestModel:
+        built.append(name)
+        return TestModel()
+
+    monkeypatch.setattr(model_module, "infer_model", build)
+    registry = define_model_registry(
+        models={"text": {"model": "test:text-only", "context_window": 1_000, "capabilities": []}}
+    )
+    for check in (registry.resolve, registry.preflight):
+        with pytest.raises(model_module.AgentModelUnavailableError, match=r"lacks capabilities \['vision'\]"):
+            check("text", ["vision"])
+    assert built == []  # no provider constructed, no credential read
+    assert registry.resolve("text").capabilities == frozenset() and built == ["test:text-only"]
+
+
 @pytest.mark.parametrize(
     ("contributions", "field"),
     [

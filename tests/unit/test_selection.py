@@ -270,6 +270,20 @@ def test_selection_removes_whole_oldest_turns_only() -> None:
     assert select_agent_history(h.messages, budget_tokens=80, count_tokens=ten).removed_turns == 1
 
 
+def test_an_answered_approval_and_its_continuation_are_removed_together_as_the_oldest_turn() -> None:
+    h = History()
+    h.turn("asks", TextPart(text="may I?"), *approval_request())
+    h.add("resp", "tool", ApprovalResponsePart(approval_id="a1", call_id="c9", approved=True), run_id="approved")
+    h.add("approved:out", "assistant", call("c9"), result("c9"), TextPart(text="done"), run_id="approved")
+    h.turn("next")
+    sel = select_agent_history(h.messages, budget_tokens=20, count_tokens=ten, keep_recent_turns=1)
+    # the request, the approval and the run that carried the call out go as one unit, never split
+    assert sel.decision == "trimmed" and sel.removed_turns == 1
+    assert ids(sel.messages) == ["next:in0", "next:out"]
+    removed = [d.message_id for d in sel.decisions if d.action == "removed"]
+    assert removed == ["asks:in0", "asks:out", "resp", "approved:out"]
+
+
 def test_selection_oversized_when_protected_turns_cannot_fit() -> None:
     h = four_turns()
     sel = select_agent_history(h.messages, budget_tokens=30, count_tokens=ten, keep_recent_turns=2)

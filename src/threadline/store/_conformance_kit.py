@@ -313,6 +313,8 @@ class _Conv:
         return result.run
 
     async def finish(self, run: Run, reason: str = "success", text: str | None = None, **kwargs: Any) -> TerminalResult:
+        """Commit ``run``'s terminal as its owner: ``text`` as one text part, or ``parts=`` as given."""
+        parts = kwargs.pop("parts", _text(text) if text is not None else None)
         return await self.store.commit_run_terminal(
             conversation_id=self.cid,
             run_id=run.id,
@@ -320,7 +322,7 @@ class _Conv:
             owner_id=run.owner_id or "",
             fencing_token=run.fencing_token,
             terminal_reason=reason,
-            parts=_text(text) if text is not None else None,
+            parts=parts,
             **kwargs,
         )
 

@@ -515,13 +515,8 @@ async def case_ledger_branch_approvals(store: AgentRuntimeStore) -> None:
         return
     c = _Conv(store, "ledger-branch-approval")
     run = await c.acquire((await c.admit("t1")).run)
-    await store.commit_run_terminal(
-        conversation_id=c.cid,
-        run_id=run.id,
-        expected_revision=run.revision,
-        owner_id=run.owner_id or "",
-        fencing_token=run.fencing_token,
-        terminal_reason="success",
+    await c.finish(
+        run,
         parts=[
             {"type": "tool-call", "call_id": "call-1", "tool_name": "rm", "input": {"path": "x"}},
             {
@@ -595,13 +590,8 @@ async def case_ledger_branch_metadata_reference(store: AgentRuntimeStore) -> Non
     envelope = _Conv(store, "ledger-branch-envelope")
     for n, data in (("t1", {"item": "rs_1", "signature": "abc"}), ("t2", {"items": [{"runId": "run-elsewhere"}]})):
         run = await envelope.acquire((await envelope.admit(n)).run)
-        await store.commit_run_terminal(
-            conversation_id=envelope.cid,
-            run_id=run.id,
-            expected_revision=run.revision,
-            owner_id=run.owner_id or "",
-            fencing_token=run.fencing_token,
-            terminal_reason="success",
+        await envelope.finish(
+            run,
             parts=[
                 {"type": "reasoning", "text": "thinking", "envelope": {"provider": "openai", "data": data}},
                 {"type": "text", "text": f"answer {n}"},
